@@ -1,0 +1,63 @@
+"""The `tsrl` command: a thin shell (parse, call one library function, render, exit code).
+
+Importing this module must not import torch: `tsrl --help` stays fast (tests/test_imports.py).
+Exit codes: 0 ok, 1 the operation failed (e.g. gradients differ), 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from tsrl_cli import __version__
+from tsrl_cli.cli.verify import verify
+
+app = typer.Typer(
+    name="tsrl",
+    help="Exact gradient streaming for agentic RL of LLMs (ThunderSyncRL reproduction).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.command(
+    "verify",
+    epilog=(
+        "Examples:  tsrl verify --dtype float64  ·  tsrl verify --objective opd --loss-agg seq-mean-token-mean"
+        "  ·  tsrl verify --model ./my_model --rollouts round.jsonl --json"
+    ),
+)(verify)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+):
+    """Exact gradient streaming for agentic RL of LLMs (ThunderSyncRL reproduction)."""
+
+
+def main() -> None:
+    """Entry point: known errors become one line on stderr and exit code 2."""
+    from tsrl_cli.errors import UsageError
+
+    try:
+        app(standalone_mode=True)
+    except UsageError as e:  # raised outside a command body (commands handle their own)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - one line unless debugging
+        if os.environ.get("TSRL_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e} (set TSRL_DEBUG=1 for the full traceback)", file=sys.stderr)
+        sys.exit(1)

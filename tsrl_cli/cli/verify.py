@@ -1,0 +1,83 @@
+"""`tsrl verify`: prove on your model that streaming gives the lazy gradient."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from tsrl_cli.errors import UsageError
+
+
+def verify(
+    *,
+    model: Annotated[str, typer.Option(help="Model: a local HuggingFace directory (save_pretrained), a hub id, or builtin:tiny.")] = "builtin:tiny",
+    rollouts: Annotated[str | None, typer.Option(help="Rollouts JSONL, one trajectory per line (default: random multi-turn rollouts).")] = None,
+    objective: Annotated[str, typer.Option(help="grpo or opd.")] = "grpo",
+    teacher: Annotated[str | None, typer.Option(help="OPD teacher model (default: teacher_logprobs in the file, else builtin:tiny-teacher).")] = None,
+    loss_agg: Annotated[str, typer.Option(help="token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm | token-sum.")] = "token-mean",
+    adv_norm: Annotated[str, typer.Option(help="GRPO advantage: group = (r-mean)/(std+1e-6); center = r-mean (Dr. GRPO).")] = "group",
+    kl_coef: Annotated[float, typer.Option(help="KL-to-reference loss coefficient; 0 = off. Reference: ref_logprobs in the file, else the model with seeded noise.")] = 0.0,
+    kl_type: Annotated[str, typer.Option(help="KL estimator: k1 | k2 | k3 (= low_var_kl) | abs.")] = "low_var_kl",
+    entropy_coef: Annotated[float, typer.Option(help="Entropy bonus coefficient; 0 = off.")] = 0.0,
+    opd_form: Annotated[str, typer.Option(help="OPD loss: pg (advantage -(logp_s - logp_t), tinker/SkyRL) or k3 (direct loss, verl).")] = "pg",
+    norm_constant: Annotated[float | None, typer.Option(help="Constant C for seq-mean-token-sum-norm (e.g. max response tokens).")] = None,
+    dtype: Annotated[str, typer.Option(help="float64 (tolerance 1e-10) | float32 (1e-4) | bfloat16 (5e-2).")] = "float64",
+    order: Annotated[str, typer.Option(help="Arrival order of trajectories (GRPO) or turns (OPD): random | given | reverse.")] = "random",
+    seed: Annotated[int, typer.Option(help="Seed for the built-in model, random rollouts and the random order.")] = 0,
+    groups: Annotated[int, typer.Option(help="Random rollouts: number of groups.")] = 4,
+    group_size: Annotated[int, typer.Option(help="Random rollouts: samples per group.")] = 8,
+    max_open_groups: Annotated[int | None, typer.Option(help="Cap on groups holding buffers at once; later groups are computed at their close (still exact).")] = None,
+    save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+) -> None:
+    """Compute one round's gradient lazily and by streaming, and print how far apart they are.
+
+    Exit 0 when the max relative difference is within the dtype's tolerance, 1 when not, 2 on bad input.
+    """
+    from tsrl_cli.console import console, err_console, progress_printer
+
+    try:
+        from tsrl_cli.verify import VerifyOptions, run_verify
+
+        opts = VerifyOptions(
+            model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss_agg=loss_agg,
+            adv_norm=adv_norm, kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef, opd_form=opd_form,
+            norm_constant=norm_constant, dtype=dtype, order=order, seed=seed, groups=groups,
+            group_size=group_size, max_open_groups=max_open_groups, save_grads=save_grads,
+        )
+        res = run_verify(opts, progress=progress_printer(not json_out))
+    except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+    else:
+        _render(console, res)
+    raise typer.Exit(0 if res["ok"] else 1)
+
+
+def _render(console, res: dict) -> None:
+    from rich.table import Table
+
+    title = f"tsrl verify: {res['objective']} · {res['loss_agg']} · {res['dtype']} · order {res['order']}"
+    t = Table(title=title, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("model", f"{res['model']} ({res['params']:,} parameters)")
+    t.add_row("rollouts", f"{res['rollouts']}: {res['num_trajectories']} trajectories, {res['num_groups']} groups, "
+              f"{res['num_loss_tokens']} loss tokens")
+    t.add_row("stream", f"{res['num_items']} arrivals, {res['stream_backwards']} backward(s)")
+    t.add_row("max |lazy - stream|", f"{res['max_abs_diff']:.3e}  (max |grad| {res['max_abs_grad']:.3e})")
+    t.add_row("relative difference", f"{res['max_rel_diff']:.3e}  (tolerance {res['tolerance']:.0e})")
+    t.add_row("worst parameter", f"{res['worst_param']}: relative {res['worst_param_rel_diff']:.3e}, "
+              f"absolute {res['worst_param_abs_diff']:.3e}")
+    t.add_row("open-group buffers", f"peak {res['peak_open_buffer_bytes'] / 2**20:.2f} MiB "
+              f"({res['buffer_bytes_per_set'] / 2**20:.2f} MiB per parameter-sized buffer)")
+    if res.get("saved_grads"):
+        t.add_row("gradients saved", res["saved_grads"])
+    console.print(t)
+    verdict = "[green]EXACT[/green]: streaming equals the lazy gradient" if res["ok"] else \
+        "[red]MISMATCH[/red]: difference above tolerance"
+    console.print(verdict)

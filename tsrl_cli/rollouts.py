@@ -1,0 +1,151 @@
+"""The rollout record: one finished trajectory, as JSONL (one object per line).
+
+Fields (the training engine writes the same):
+  group_id (str), sample_index (int)
+  input_ids (list[int]): prompt, model turns and tool observations, in order
+  loss_mask (list[0|1]): 1 on model-generated tokens; loss_mask[j] refers to predicting input_ids[j]
+  reward (float)
+  turn_spans (list of [start, end)): one per model turn, over input_ids
+  teacher_logprobs, behavior_logprobs, ref_logprobs (optional list[float], aligned with input_ids)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tsrl_cli.errors import UsageError
+
+_OPTIONAL_FLOATS = ("teacher_logprobs", "behavior_logprobs", "ref_logprobs")
+
+
+@dataclass
+class Rollout:
+    group_id: str
+    sample_index: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    reward: float
+    turn_spans: list[tuple[int, int]]
+    teacher_logprobs: list[float] | None = None
+    behavior_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.group_id, self.sample_index)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def turn_tokens(self, k: int) -> int:
+        s, e = self.turn_spans[k]
+        return sum(self.loss_mask[s:e])
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["turn_spans"] = [list(s) for s in self.turn_spans]
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def _fail(where: str, msg: str) -> UsageError:
+    return UsageError(f"{where}: {msg}")
+
+
+def parse_rollout(obj: object, where: str) -> Rollout:
+    """Validate one decoded JSON object; errors name `where` (file:line) and the field."""
+    if not isinstance(obj, dict):
+        raise _fail(where, "expected a JSON object (one trajectory per line)")
+    known = {"group_id", "sample_index", "input_ids", "loss_mask", "reward", "turn_spans", *_OPTIONAL_FLOATS}
+    for k in obj:
+        if k not in known:
+            raise _fail(where, f"unknown field {k!r} (known: {', '.join(sorted(known))})")
+    for k in ("group_id", "sample_index", "input_ids", "loss_mask", "reward", "turn_spans"):
+        if k not in obj:
+            raise _fail(where, f"missing field {k!r}")
+    gid = obj["group_id"]
+    if not isinstance(gid, str) or not gid:
+        raise _fail(where, "field 'group_id' must be a non-empty string")
+    si = obj["sample_index"]
+    if not isinstance(si, int) or isinstance(si, bool) or si < 0:
+        raise _fail(where, "field 'sample_index' must be a non-negative integer")
+    ids = obj["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise _fail(where, "field 'input_ids' must be a non-empty list of non-negative integers")
+    mask = obj["loss_mask"]
+    if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, bool) for m in mask):
+        raise _fail(where, "field 'loss_mask' must be a list of 0/1 integers")
+    if len(mask) != len(ids):
+        raise _fail(where, f"field 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
+    if mask[0] != 0:
+        raise _fail(where, "field 'loss_mask' must be 0 at position 0 (nothing predicts the first token)")
+    r = obj["reward"]
+    if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+        raise _fail(where, "field 'reward' must be a finite number")
+    spans = obj["turn_spans"]
+    if not isinstance(spans, list):
+        raise _fail(where, "field 'turn_spans' must be a list of [start, end) pairs")
+    prev_end = 0
+    clean: list[tuple[int, int]] = []
+    for j, sp in enumerate(spans):
+        if not (isinstance(sp, list) and len(sp) == 2 and all(isinstance(x, int) for x in sp)):
+            raise _fail(where, f"field 'turn_spans'[{j}] must be a pair [start, end) of integers")
+        s, e = sp
+        if not (prev_end <= s < e <= len(ids)):
+            raise _fail(where, f"field 'turn_spans'[{j}] = [{s}, {e}) is not sorted, empty or past len(input_ids)={len(ids)}")
+        clean.append((s, e))
+        prev_end = e
+    covered = [0] * len(ids)
+    for s, e in clean:
+        for j in range(s, e):
+            covered[j] = 1
+    stray = [j for j, m in enumerate(mask) if m and not covered[j]]
+    if stray:
+        raise _fail(where, f"field 'loss_mask' marks position {stray[0]} as a model token but no turn span covers it")
+    extras: dict[str, list[float] | None] = {}
+    for k in _OPTIONAL_FLOATS:
+        v = obj.get(k)
+        if v is not None:
+            if not isinstance(v, list) or len(v) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+                raise _fail(where, f"field {k!r} must be a list of {len(ids)} numbers aligned with 'input_ids'")
+        extras[k] = [float(x) for x in v] if v is not None else None
+    return Rollout(gid, si, list(ids), list(mask), float(r), clean, **extras)
+
+
+def read_rollouts(path: str | Path) -> list[Rollout]:
+    """Read and validate a rollouts JSONL file; the first bad line raises UsageError (exit 2)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{p}: rollouts file not found (pass --rollouts FILE.jsonl, one trajectory per line)")
+    out: list[Rollout] = []
+    seen: set[tuple[str, int]] = set()
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _fail(where, f"not valid JSON ({e.msg} at column {e.colno})") from None
+            ro = parse_rollout(obj, where)
+            if ro.key in seen:
+                raise _fail(where, f"duplicate (group_id, sample_index) = {ro.key}")
+            seen.add(ro.key)
+            out.append(ro)
+    if not out:
+        raise UsageError(f"{p}: no rollouts in file")
+    return out
+
+
+def write_rollouts(rollouts: list[Rollout], path: str | Path) -> None:
+    """Write JSONL through a temp file and a rename, so a crash never leaves half a file."""
+    p = Path(path)
+    tmp = p.with_name(p.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in rollouts:
+            f.write(json.dumps(r.to_json()) + "\n")
+    tmp.replace(p)

@@ -1,0 +1,281 @@
+"""`tsrl verify`: compute one round's gradient lazily and by streaming, and compare.
+
+The lazy gradient is one backward of verl's loss over the whole round; the streamed one is
+built trajectory by trajectory (GRPO) or turn by turn (OPD) in the chosen arrival order and
+joined with one scalar at close. Exit 0 when they agree within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tsrl_cli.errors import UsageError
+from tsrl_cli.learner import Objective, StreamLearner, lazy_loss
+from tsrl_cli.models import BUILTIN, BUILTIN_TEACHER, DTYPES, load_model
+from tsrl_cli.rollouts import Rollout, read_rollouts
+
+# Relative tolerance (max |lazy - stream| / max |lazy|) per dtype. float64: both sides see the
+# same float64 math, only the summation order differs. float32/bf16: lazy sums inside one
+# backward, stream sums per-trajectory gradients in fp32 buffers (figures in results/LOG.md).
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2}
+ORDERS = ("random", "given", "reverse")
+
+
+@dataclass
+class VerifyOptions:
+    model: str = BUILTIN
+    rollouts: str | None = None
+    objective: str = "grpo"
+    teacher: str | None = None
+    loss_agg: str = "token-mean"
+    adv_norm: str = "group"
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    opd_form: str = "pg"
+    norm_constant: float | None = None
+    dtype: str = "float64"
+    order: str = "random"
+    seed: int = 0
+    groups: int = 4
+    group_size: int = 8
+    max_open_groups: int | None = None
+    save_grads: str | None = None
+
+
+def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int) -> list[Rollout]:
+    """Multi-turn rollouts with random tokens and rewards chosen to stress the math.
+
+    Group kinds cycle through: binary 0/1 rewards, continuous rewards, a zero-variance group (all
+    rewards equal), and rewards far from zero (100 + 0.01 * noise). Each trajectory is a prompt,
+    then 1-3 model turns, each followed by a tool observation (loss_mask 0) except the last.
+    """
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        kind = g % 4
+        for i in range(group_size):
+            ids = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 10))]
+            mask = [0] * len(ids)
+            spans = []
+            n_turns = rng.randint(1, 3)
+            for t in range(n_turns):
+                s = len(ids)
+                n = rng.randint(2, 9)
+                ids += [rng.randrange(vocab_size) for _ in range(n)]
+                mask += [1] * n
+                spans.append((s, len(ids)))
+                if t < n_turns - 1:
+                    obs = rng.randint(2, 6)
+                    ids += [rng.randrange(vocab_size) for _ in range(obs)]
+                    mask += [0] * obs
+            reward = [float(rng.random() < 0.5), rng.gauss(0.0, 1.0), 0.5, 100.0 + 0.01 * rng.gauss(0, 1)][kind]
+            out.append(Rollout(f"g{g}", i, ids, mask, reward, spans))
+    return out
+
+
+@torch.no_grad()
+def sequence_logprobs(model, rollouts: list[Rollout]) -> list[list[float]]:
+    """Per-token log-probs of each rollout under `model` (teacher scores, reference log-probs).
+
+    Full-sequence forward: by causality this equals scoring each turn as it closes.
+    """
+    from tsrl_cli.core.losses import token_logprobs
+
+    device = next(model.parameters()).device
+    out = []
+    for r in rollouts:
+        ids = torch.tensor([r.input_ids], device=device)
+        out.append(token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0].double().tolist())
+    return out
+
+
+def _perturbed(model, seed: int, scale: float = 0.05):
+    """A reference model: the policy with seeded weight noise, so that KL and its gradient are not 0."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * scale)
+    return ref
+
+
+def arrival_order(items: list, order: str, seed: int) -> list:
+    if order == "given":
+        return list(items)
+    if order == "reverse":
+        return list(reversed(items))
+    if order == "random":
+        items = list(items)
+        random.Random(seed + 1).shuffle(items)
+        return items
+    raise UsageError(f"--order {order!r} is unknown; use one of {', '.join(ORDERS)}")
+
+
+def compare(names: list[str], lazy: list[torch.Tensor], stream: list[torch.Tensor]) -> dict:
+    """Max absolute and relative difference, overall and for the worst parameter (by relative)."""
+    max_abs, max_ref = 0.0, 0.0
+    worst = ("", 0.0, 0.0)
+    for name, a, b in zip(names, lazy, stream, strict=True):
+        a64, b64 = a.double(), b.double()
+        d = float((a64 - b64).abs().max()) if a.numel() else 0.0
+        ref = float(a64.abs().max()) if a.numel() else 0.0
+        max_abs, max_ref = max(max_abs, d), max(max_ref, ref)
+        rel = d / ref if ref > 0 else (0.0 if d == 0 else float("inf"))
+        if rel > worst[1] or not worst[0]:
+            worst = (name, rel, d)
+    rel_all = max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return {
+        "max_abs_diff": max_abs,
+        "max_abs_grad": max_ref,
+        "max_rel_diff": rel_all,
+        "worst_param": worst[0],
+        "worst_param_rel_diff": worst[1],
+        "worst_param_abs_diff": worst[2],
+    }
+
+
+def save_safetensors(path: Path, names: list[str], grads: list[torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads)}, str(tmp))
+    tmp.replace(path)
+
+
+@dataclass
+class GradPair:
+    names: list[str]
+    lazy: list[torch.Tensor]
+    stream: list[torch.Tensor]
+    learner: StreamLearner
+    lazy_loss: torch.Tensor
+    num_items: int
+    time_lazy_s: float
+    time_stream_s: float
+
+
+def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str = "random", seed: int = 0,
+                    max_open_groups: int | None = None) -> GradPair:
+    """The round's gradient twice: lazily (one loss, one backward) and streamed in `order`."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    loss = lazy_loss(model, rollouts, obj)
+    loss.backward()
+    t_lazy = time.perf_counter() - t0
+    lazy = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    model.zero_grad(set_to_none=True)
+
+    if obj.kind == "grpo":
+        items = [(r, None) for r in rollouts]
+    else:
+        items = [(r, k) for r in rollouts for k in range(len(r.turn_spans))]
+    items = arrival_order(items, order, seed)
+    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_open_groups)
+    t0 = time.perf_counter()
+    for r, k in items:
+        if k is None:
+            learner.on_trajectory(r)
+        else:
+            learner.on_turn(r, k)
+    stream = learner.close_round()
+    t_stream = time.perf_counter() - t0
+    return GradPair([n for n, _ in params], lazy, stream, learner, loss.detach(), len(items), t_lazy, t_stream)
+
+
+def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
+    if opts.dtype not in DTYPES:
+        raise UsageError(f"--dtype {opts.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    if opts.order not in ORDERS:
+        raise UsageError(f"--order {opts.order!r} is unknown; use one of {', '.join(ORDERS)}")
+    if opts.max_open_groups is not None and opts.max_open_groups < 0:
+        raise UsageError("--max-open-groups must be >= 0")
+    obj = Objective(
+        kind=opts.objective, loss_agg=opts.loss_agg, adv_norm=opts.adv_norm, kl_coef=opts.kl_coef,
+        kl_type=opts.kl_type, entropy_coef=opts.entropy_coef, opd_form=opts.opd_form,
+        norm_constant=opts.norm_constant,
+    ).validate()
+    dtype = DTYPES[opts.dtype]
+    torch.manual_seed(opts.seed)
+    progress(f"loading model {opts.model} ({opts.dtype})")
+    model = load_model(opts.model, dtype, seed=opts.seed)
+    vocab = model.get_input_embeddings().weight.shape[0]
+
+    if opts.rollouts:
+        rollouts = read_rollouts(opts.rollouts)
+        for r in rollouts:
+            if max(r.input_ids) >= vocab:
+                raise UsageError(f"{opts.rollouts}: rollout {r.key} has token id {max(r.input_ids)} >= the model's vocabulary ({vocab})")
+        source = opts.rollouts
+    else:
+        if opts.groups < 1 or opts.group_size < 1:
+            raise UsageError("--groups and --group-size must be >= 1")
+        rollouts = random_rollouts(vocab, opts.groups, opts.group_size, opts.seed)
+        source = f"random (seed {opts.seed}, {opts.groups} groups x {opts.group_size})"
+
+    if obj.kind == "opd" and (opts.teacher or any(r.teacher_logprobs is None for r in rollouts)):
+        spec = opts.teacher or BUILTIN_TEACHER
+        progress(f"scoring {len(rollouts)} rollouts with teacher {spec}")
+        teacher = load_model(spec, dtype, seed=opts.seed)
+        if teacher.get_input_embeddings().weight.shape[0] < vocab:
+            raise UsageError(f"--teacher {spec}: vocabulary smaller than the student's ({vocab}); OPD needs one tokenizer")
+        for r, lp in zip(rollouts, sequence_logprobs(teacher, rollouts)):
+            r.teacher_logprobs = lp
+        del teacher
+    if obj.kl_coef and any(r.ref_logprobs is None for r in rollouts):
+        progress("reference log-probs from the policy with seeded weight noise (no ref_logprobs in the input)")
+        for r, lp in zip(rollouts, sequence_logprobs(_perturbed(model, opts.seed), rollouts)):
+            r.ref_logprobs = lp
+
+    progress("lazy: one loss over the whole round, one backward; then stream in " + opts.order + " order")
+    g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed, opts.max_open_groups)
+    names, lazy, stream, learner = g.names, g.lazy, g.stream, g.learner
+    loss, t_lazy, t_stream, items = g.lazy_loss, g.time_lazy_s, g.time_stream_s, g.num_items
+
+    cmp = compare(names, lazy, stream)
+    tol = TOLERANCE[opts.dtype]
+    result = {
+        "ok": cmp["max_rel_diff"] <= tol,
+        "tolerance": tol,
+        **cmp,
+        "objective": obj.kind,
+        "loss_agg": obj.loss_agg,
+        "adv_norm": obj.adv_norm if obj.kind == "grpo" else None,
+        "opd_form": obj.opd_form if obj.kind == "opd" else None,
+        "kl_coef": obj.kl_coef,
+        "kl_type": obj.kl_type if obj.kl_coef else None,
+        "entropy_coef": obj.entropy_coef,
+        "dtype": opts.dtype,
+        "order": opts.order,
+        "seed": opts.seed,
+        "model": opts.model,
+        "rollouts": source,
+        "num_trajectories": len(rollouts),
+        "num_groups": len({r.group_id for r in rollouts}),
+        "num_items": items,
+        "num_loss_tokens": learner.num_tokens,
+        "stream_backwards": learner.backwards,
+        "lazy_loss": float(loss.detach()),
+        "params": sum(p.numel() for p in learner.params),
+        "buffer_bytes_per_set": learner.acc.param_bytes,
+        "peak_open_buffer_bytes": learner.acc.peak_open_bytes,
+        "max_open_groups": opts.max_open_groups,
+        "time_lazy_s": round(t_lazy, 4),
+        "time_stream_s": round(t_stream, 4),
+    }
+    if opts.save_grads:
+        out = Path(opts.save_grads)
+        out.mkdir(parents=True, exist_ok=True)
+        save_safetensors(out / "lazy.safetensors", names, lazy)
+        save_safetensors(out / "stream.safetensors", names, stream)
+        result["saved_grads"] = str(out)
+    return result
