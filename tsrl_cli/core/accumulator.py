@@ -48,7 +48,9 @@ class RoundGradAccumulator:
     grads arguments are lists aligned with `params` (None for a parameter without gradient).
     """
 
-    def __init__(self, params: Sequence[torch.nn.Parameter]):
+    def __init__(self, params: Sequence[torch.nn.Parameter], center_on_first_reward: bool = True):
+        # center_on_first_reward=False gives the naive form (b = 0); kept only to measure why not.
+        self.center = center_on_first_reward
         self.params = list(params)
         self._dtypes = [buffer_dtype(p.dtype) for p in self.params]
         self._round: list[torch.Tensor] | None = None
@@ -100,7 +102,7 @@ class RoundGradAccumulator:
         """
         g = self._groups.get(group_id)
         if g is None:
-            g = self._groups[group_id] = _OpenGroup(baseline=float(reward))
+            g = self._groups[group_id] = _OpenGroup(baseline=float(reward) if self.center else 0.0)
         if g.s_r is None:
             g.s_r, g.s_1 = self._zeros(), self._zeros()
         delta = float(reward) - g.baseline  # float64 on the host, exact at the reward's scale

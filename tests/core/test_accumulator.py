@@ -1,0 +1,131 @@
+"""RoundGradAccumulator against the direct sum  Z * sum_i A_i G_i  (independent, float64).
+
+Per-trajectory gradients are random parameter-shaped tensors here: the accumulator only sees
+gradients and rewards, so this isolates its algebra from any model (the model-level proof is
+tests/test_streaming_exact.py).
+"""
+
+import random
+
+import pytest
+import torch
+
+from tsrl_cli.core.accumulator import RoundGradAccumulator
+
+SHAPES = [(5, 3), (7,)]
+
+
+def make_round(group_sizes, dtype, seed, reward_fn):
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    items = []
+    for gi, G in enumerate(group_sizes):
+        for i in range(G):
+            grads = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in SHAPES]
+            items.append((f"g{gi}", reward_fn(rng, gi, i), grads))
+    return items
+
+
+def reference(items, norm_by_std=True, eps=1e-6, z=1.0):
+    """Direct formula in float64: A_i from each group's float64 rewards, then sum A_i G_i."""
+    out = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    groups = {}
+    for gid, r, grads in items:
+        groups.setdefault(gid, []).append((r, grads))
+    for members in groups.values():
+        r = torch.tensor([m[0] for m in members], dtype=torch.float64)
+        mean, std = (r.mean(), r.std()) if len(r) > 1 else (torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        adv = (r - mean) / (std + eps) if norm_by_std else r - mean
+        for a, (_, grads) in zip(adv.tolist(), members):
+            for o, gr in zip(out, grads):
+                o += a * gr.double()
+    return [o * z for o in out]
+
+
+def stream(items, params, order_seed, norm_by_std=True, z=1.0, center=True):
+    acc = RoundGradAccumulator(params, center_on_first_reward=center)
+    sizes = {}
+    for gid, _, _ in items:
+        sizes[gid] = sizes.get(gid, 0) + 1
+    seen = {}
+    order = list(items)
+    random.Random(order_seed).shuffle(order)
+    for gid, r, grads in order:
+        acc.add_member(gid, r, grads)
+        seen[gid] = seen.get(gid, 0) + 1
+        if seen[gid] == sizes[gid]:
+            acc.close_group(gid, norm_by_std)
+    return acc.finalize(z), acc
+
+
+def rel(a, b):
+    return max(float((x.double() - y).abs().max()) for x, y in zip(a, b)) / max(float(y.abs().max()) for y in b)
+
+
+def params_of(dtype):
+    return [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in SHAPES]
+
+
+@pytest.mark.parametrize("sizes", [[2], [3, 3], [8, 8, 8], [16, 1, 2, 3, 8]])
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("order_seed", [0, 1, 2])
+def test_any_order_any_group_size_float64(sizes, norm_by_std, order_seed):
+    items = make_round(sizes, torch.float64, order_seed, lambda rng, g, i: rng.choice([0.0, 1.0]) + 0.3 * rng.random())
+    got, _ = stream(items, params_of(torch.float64), order_seed, norm_by_std, z=1 / 37)
+    assert rel(got, reference(items, norm_by_std, z=1 / 37)) <= 1e-12
+
+
+@pytest.mark.parametrize("rewards", [[1, 1, 1, 0.999], [0.5] * 8, [1e4 + 1e-3, 1e4, 1e4, 1e4 - 1e-3]])
+def test_near_equal_and_zero_variance_groups(rewards):
+    items = make_round([len(rewards)], torch.float64, 3, lambda rng, g, i: float(rewards[i]))
+    items.append(("other", 1.0, [torch.ones(s, dtype=torch.float64) for s in SHAPES]))  # keep the total nonzero
+    items.append(("other", 0.0, [torch.zeros(s, dtype=torch.float64) for s in SHAPES]))
+    got, _ = stream(items, params_of(torch.float64), 5)
+    assert rel(got, reference(items)) <= 1e-10
+
+
+def test_float32_offset_rewards_stay_accurate_and_naive_form_does_not():
+    """Rewards 100 + 0.01*noise, float32 gradients and buffers: centering on the first reward keeps
+    the error at float32 level; the naive sum r_i g_i - mean * sum g_i (baseline 0) loses digits."""
+    items = make_round([8, 8, 8], torch.float32, 11, lambda rng, g, i: 100.0 + 0.01 * rng.gauss(0, 1))
+    ref = reference(items)
+    got, _ = stream(items, params_of(torch.float32), 4)
+    err = rel(got, ref)
+
+    naive, _ = stream(items, params_of(torch.float32), 4, center=False)  # sum r_i g_i - mean * sum g_i
+    naive_err = rel(naive, ref)
+    assert err < 1e-5
+    assert naive_err > 30 * err  # the test can tell the two apart
+
+
+def test_buffers_are_float32_for_bf16_params_and_memory_is_two_sets_per_open_group():
+    params = params_of(torch.bfloat16)
+    acc = RoundGradAccumulator(params)
+    n = sum(p.numel() for p in params)
+    assert acc.param_bytes == 4 * n
+    g = [torch.ones(s, dtype=torch.bfloat16) for s in SHAPES]
+    acc.add_member("a", 1.0, g)
+    acc.add_member("b", 0.0, g)
+    assert acc.open_bytes == 2 * 2 * 4 * n
+    acc.add_member("a", 0.0, g)
+    acc.close_group("a")
+    assert acc.open_bytes == 2 * 4 * n and acc.peak_open_bytes == 4 * 4 * n
+    with pytest.raises(RuntimeError, match="open group"):
+        acc.finalize(1.0)
+    acc.add_member("b", 1.0, g)
+    acc.close_group("b")
+    out = acc.finalize(1.0)
+    assert all(o.dtype == torch.float32 for o in out)
+
+
+def test_units_defer_their_scalar():
+    params = params_of(torch.float64)
+    acc = RoundGradAccumulator(params)
+    g1 = [torch.full(s, 2.0, dtype=torch.float64) for s in SHAPES]
+    acc.add_to_unit("t", g1)
+    acc.add_to_unit("t", g1)
+    acc.add(g1, scale=0.5)
+    assert acc.open_units == 1
+    acc.close_unit("t", 0.25)
+    out = acc.finalize(3.0)
+    assert out[0][0, 0].item() == pytest.approx(3.0 * (0.25 * 4.0 + 0.5 * 2.0))

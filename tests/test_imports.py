@@ -1,0 +1,39 @@
+"""Import hygiene: `tsrl --help` does not import torch; core/ imports no CLI or UI code."""
+
+import subprocess
+import sys
+
+
+def _run(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from tsrl_cli.cli import app\n"
+        "r = CliRunner().invoke(app, ['--help'])\n"
+        "assert r.exit_code == 0\n"
+        "r = CliRunner().invoke(app, ['verify', '--help'])\n"
+        "assert r.exit_code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))"
+    )
+    assert _run(code) == "[]"
+
+
+def test_core_imports_only_torch():
+    code = (
+        "import sys\n"
+        "import tsrl_cli.core.accumulator, tsrl_cli.core.losses, tsrl_cli.core.advantages\n"
+        "print(sorted(m for m in ('typer', 'rich', 'transformers', 'tsrl_cli.cli', 'tsrl_cli.learner') if m in sys.modules))"
+    )
+    assert _run(code) == "[]"
+
+
+def test_console_script_help():
+    import shutil
+
+    exe = shutil.which("tsrl") or str(__import__("pathlib").Path(sys.executable).with_name("tsrl"))
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "verify" in out.stdout
