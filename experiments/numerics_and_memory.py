@@ -55,8 +55,8 @@ def accuracy(seeds):
             m32 = build_tiny_model(0, torch.float32)
             pair = lazy_and_stream(m32, ro, obj, order="random", seed=seed)
             naive = naive_stream(m32, ro, obj, seed)
-            e = lambda g: compare(pair.names, ref, g)["max_rel_diff"]  # noqa: E731
-            rows.append(dict(offset=offset, seed=seed, lazy32=e(pair.lazy), stream32=e(pair.stream), naive32=e(naive)))
+            errs = [compare(pair.names, ref, g)["max_rel_diff"] for g in (pair.lazy, pair.stream, naive)]
+            rows.append(dict(offset=offset, seed=seed, lazy32=errs[0], stream32=errs[1], naive32=errs[2]))
     return rows
 
 
@@ -88,7 +88,7 @@ def main():
               f"{r['stream32'] / r['lazy32']:>10.2f}  {r['naive32'] / r['lazy32']:>10.1f}")
     print("\norder   cap   peak buffer sets  peak MiB  stream/lazy time")
     for r in mem_rows:
-        print(f"{r['order']:<7} {str(r['max_open_groups']):<5} {r['peak_sets']:>16.0f}  {r['peak_mib']:>8.2f}  {r['stream_over_lazy_time']:>16.2f}")
+        print(f"{r['order']:<7} {r['max_open_groups']!s:<5} {r['peak_sets']:>16.0f}  {r['peak_mib']:>8.2f}  {r['stream_over_lazy_time']:>16.2f}")
 
 
 if __name__ == "__main__":

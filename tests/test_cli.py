@@ -76,8 +76,9 @@ def test_token_ids_beyond_vocab_exit_2(tmp_path):
 
 def test_user_model_dir_rollouts_file_and_saved_grads(tmp_path):
     """A model saved with save_pretrained by a user's script, a rollouts file with teacher scores."""
-    from tsrl_cli.models import tiny_qwen3_config
     from transformers import Qwen3ForCausalLM
+
+    from tsrl_cli.models import tiny_qwen3_config
 
     torch.manual_seed(7)
     Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=96, hidden=32)).save_pretrained(tmp_path / "m")

@@ -102,7 +102,8 @@ def reference_loss(model, rollouts, obj: Objective):
             if obj.kind == "grpo":
                 term = -adv[r.key] * torch.exp(lp - lp.detach())
             else:  # OPD, policy-gradient form: advantage -(s - t), stop-gradient
-                term = -(-(lp.detach() - r.teacher_logprobs[j])) * torch.exp(lp - lp.detach())
+                a = -(lp.detach() - r.teacher_logprobs[j])
+                term = -a * torch.exp(lp - lp.detach())
             total = total + term
         if obj.loss_agg == "seq-mean-token-mean" and n_i:
             total = total / (n_i + 1e-8)

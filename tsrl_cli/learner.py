@@ -257,7 +257,7 @@ class StreamLearner:
             # G_i: surrogate with advantage 1; the group's advantage joins at close (accumulator).
             pg = w * (pg_token_loss(logp, 1.0) * mask).sum()
             reg = _regularizer(self.obj, logp, ref, ent)
-            self.acc.add_member(gid, r.reward, self._grads(pg, retain=reg is not None))
+            self.acc.add_member(gid, r.reward, self._grads(pg, retain=reg is not None), self.norm_by_std)
             if reg is not None:  # KL / entropy do not depend on the group: straight into R
                 self.acc.add(self._grads(w * (reg * mask).sum()))
         self._arrived[gid] += 1

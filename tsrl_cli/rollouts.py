@@ -108,9 +108,9 @@ def parse_rollout(obj: object, where: str) -> Rollout:
     extras: dict[str, list[float] | None] = {}
     for k in _OPTIONAL_FLOATS:
         v = obj.get(k)
-        if v is not None:
-            if not isinstance(v, list) or len(v) != len(ids) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-                raise _fail(where, f"field {k!r} must be a list of {len(ids)} numbers aligned with 'input_ids'")
+        numbers = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        if v is not None and not (numbers and len(v) == len(ids)):
+            raise _fail(where, f"field {k!r} must be a list of {len(ids)} numbers aligned with 'input_ids'")
         extras[k] = [float(x) for x in v] if v is not None else None
     return Rollout(gid, si, list(ids), list(mask), float(r), clean, **extras)
 

@@ -51,7 +51,7 @@ def stream(items, params, order_seed, norm_by_std=True, z=1.0, center=True):
     order = list(items)
     random.Random(order_seed).shuffle(order)
     for gid, r, grads in order:
-        acc.add_member(gid, r, grads)
+        acc.add_member(gid, r, grads, norm_by_std)
         seen[gid] = seen.get(gid, 0) + 1
         if seen[gid] == sizes[gid]:
             acc.close_group(gid, norm_by_std)
@@ -118,6 +118,17 @@ def test_buffers_are_float32_for_bf16_params_and_memory_is_two_sets_per_open_gro
     assert all(o.dtype == torch.float32 for o in out)
 
 
+def test_dr_grpo_holds_one_buffer_per_open_group():
+    items = make_round([4, 4], torch.float64, 9, lambda rng, g, i: rng.random())
+    got, acc = stream(items, params_of(torch.float64), 0, norm_by_std=False)
+    assert rel(got, reference(items, norm_by_std=False)) <= 1e-12
+    assert acc.peak_open_bytes <= 2 * acc.param_bytes  # two groups open at most, one set each
+    acc2 = RoundGradAccumulator(params_of(torch.float64))
+    acc2.add_member("g", 1.0, items[0][2], norm_by_std=False)
+    with pytest.raises(ValueError, match="norm_by_std"):
+        acc2.add_member("g", 0.0, items[1][2], norm_by_std=True)
+
+
 def test_units_defer_their_scalar():
     params = params_of(torch.float64)
     acc = RoundGradAccumulator(params)
@@ -129,3 +140,26 @@ def test_units_defer_their_scalar():
     acc.close_unit("t", 0.25)
     out = acc.finalize(3.0)
     assert out[0][0, 0].item() == pytest.approx(3.0 * (0.25 * 4.0 + 0.5 * 2.0))
+
+
+# ---- property test: random group sizes, reward kinds and interleavings ----------------------
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([1, 2, 3, 8, 16]), min_size=1, max_size=5),
+    kind=st.sampled_from(["binary", "gauss", "equal", "offset", "near_equal"]),
+    norm_by_std=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_stream_equals_direct_sum(sizes, kind, norm_by_std, seed):
+    def reward(rng, g, i):
+        return {"binary": float(rng.random() < 0.5), "gauss": rng.gauss(0, 1), "equal": 0.25,
+                "offset": 100.0 + 0.01 * rng.gauss(0, 1), "near_equal": 1.0 - (1e-3 if i == 0 else 0.0)}[kind]
+
+    items = make_round(sizes, torch.float64, seed, reward)
+    items.append(("anchor", 1.0, [torch.ones(s, dtype=torch.float64) for s in SHAPES]))  # total never 0
+    got, _ = stream(items, params_of(torch.float64), seed, norm_by_std, z=1 / 7)
+    assert rel(got, reference(items, norm_by_std, z=1 / 7)) <= 1e-10

@@ -56,7 +56,7 @@ def main() -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - one line unless debugging
+    except Exception as e:  # one line unless debugging
         if os.environ.get("TSRL_DEBUG"):
             raise
         print(f"error: {type(e).__name__}: {e} (set TSRL_DEBUG=1 for the full traceback)", file=sys.stderr)

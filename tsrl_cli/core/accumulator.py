@@ -12,7 +12,8 @@ rewards 100 + 0.01*noise the naive form measured 2.5e-3 relative error against 3
 lazy path. With b the terms stay at the scale of the reward spread.
 
 Buffers, one per parameter, in float32 (float64 when the parameters are float64), never bf16:
-  per open group:  S_r = sum (r_i - b) G_i,  S_1 = sum G_i        (2 x params)
+  per open group:  S_r = sum (r_i - b) G_i,  S_1 = sum G_i        (2 x params; 1 for Dr. GRPO,
+                   whose scale is 1, so S_r folds into R at once)
   per open unit:   S_u = sum of grads whose scalar is not known yet (1 x params; OPD with
                    seq-mean-token-mean, where 1/n_i waits for the trajectory's last turn)
   round:           R, everything whose scalar is known, folded at group/unit close
@@ -37,6 +38,7 @@ def buffer_dtype(param_dtype: torch.dtype) -> torch.dtype:
 @dataclass
 class _OpenGroup:
     baseline: float  # b, the group's first reward (float64 Python scalar)
+    norm_by_std: bool  # False (Dr. GRPO): s = 1 is known, so S_r goes straight into R
     rewards: list[float] = field(default_factory=list)
     s_r: list[torch.Tensor] | None = None  # sum (r_i - b) G_i
     s_1: list[torch.Tensor] | None = None  # sum G_i
@@ -95,18 +97,25 @@ class RoundGradAccumulator:
         return len(self._units)
 
     # ---- GRPO groups ---------------------------------------------------------------------
-    def add_member(self, group_id: Hashable, reward: float, grads: Sequence[torch.Tensor | None]) -> None:
+    def add_member(
+        self, group_id: Hashable, reward: float, grads: Sequence[torch.Tensor | None], norm_by_std: bool = True
+    ) -> None:
         """Fold one finished trajectory: S_r += (r - b) G, S_1 += G.
 
         grads = G_i, the gradient of w_i * sum_t m_it * (-ratio_it) (advantage 1, no round scalar).
+        norm_by_std=False (Dr. GRPO, A = r - mu): the scale s = 1 is known at arrival, so
+        (r - b) G goes straight into R and the group holds one buffer (S_1) instead of two.
         """
         g = self._groups.get(group_id)
         if g is None:
-            g = self._groups[group_id] = _OpenGroup(baseline=float(reward) if self.center else 0.0)
-        if g.s_r is None:
-            g.s_r, g.s_1 = self._zeros(), self._zeros()
+            g = self._groups[group_id] = _OpenGroup(float(reward) if self.center else 0.0, norm_by_std)
+        if g.norm_by_std != norm_by_std:
+            raise ValueError(f"group {group_id!r}: members disagree on norm_by_std")
+        if g.s_1 is None:
+            g.s_1 = self._zeros()
+            g.s_r = self._zeros() if norm_by_std else None
         delta = float(reward) - g.baseline  # float64 on the host, exact at the reward's scale
-        self._axpy(g.s_r, grads, delta)
+        self._axpy(g.s_r if norm_by_std else self._round_buf(), grads, delta)
         self._axpy(g.s_1, grads, 1.0)
         g.rewards.append(float(reward))
         self._track()
@@ -114,9 +123,12 @@ class RoundGradAccumulator:
     def close_group(self, group_id: Hashable, norm_by_std: bool = True, eps: float = GRPO_EPS) -> GroupStats:
         """Group close: mu, sigma from all rewards, then R += s * (S_r - (mu - b) S_1)."""
         g = self._groups.pop(group_id)
+        if g.norm_by_std != norm_by_std:
+            raise ValueError(f"group {group_id!r}: opened with norm_by_std={g.norm_by_std}, closed with {norm_by_std}")
         stats = group_stats(torch.tensor(g.rewards, dtype=torch.float64), norm_by_std, eps)
         if g.s_r is not None:
             self._axpy(self._round_buf(), g.s_r, stats.scale)
+        if g.s_1 is not None:
             self._axpy(self._round_buf(), g.s_1, -(stats.mean - g.baseline) * stats.scale)
         return stats
 
