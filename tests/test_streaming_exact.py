@@ -208,3 +208,21 @@ def test_singleton_group_uses_verl_rule(tiny64):
     pair = lazy_and_stream(tiny64, ro, Objective())
     assert compare(pair.names, pair.lazy, pair.stream)["max_rel_diff"] <= 1e-10
     assert max(float(g.abs().max()) for g in pair.lazy) > 0  # A = 2/(1+1e-6), not 0
+
+
+def test_empty_trajectory_counts_in_its_group_only_by_reward(tiny64):
+    ro = round_with_sizes((3, 2))
+    ro[0].loss_mask = [0] * len(ro[0].input_ids)  # produced no model token
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        pair = lazy_and_stream(tiny64, ro, Objective(loss_agg=mode), order="random")
+        assert compare(pair.names, pair.lazy, pair.stream)["max_rel_diff"] <= 1e-10
+
+
+def test_extra_group_member_refused(tiny64):
+    from tsrl_cli.learner import StreamLearner
+
+    ro = round_with_sizes((2,))
+    learner = StreamLearner(tiny64, Objective(), {"G0": 1})
+    learner.on_trajectory(ro[0])
+    with pytest.raises(UsageError, match="declared members"):
+        learner.on_trajectory(ro[1])

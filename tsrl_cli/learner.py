@@ -247,10 +247,14 @@ class StreamLearner:
         gid = r.group_id
         if gid not in self.group_sizes:
             raise UsageError(f"rollout {r.key}: group {gid!r} has no declared size")
+        if self._arrived[gid] >= self.group_sizes[gid]:
+            raise UsageError(f"rollout {r.key}: group {gid!r} already has its {self.group_sizes[gid]} declared members")
         n = r.num_loss_tokens
         self._count(r, n)
         if self._should_defer(gid):
             self._deferred[gid].append(r)
+        elif n == 0:  # no model token (e.g. the agent crashed at once): only its reward counts
+            self.acc.add_member(gid, r.reward, [None] * len(self.params), self.norm_by_std)
         else:
             w = seq_weight(self.obj.loss_agg, n)
             logp, ent, mask, ref, _ = self._row(r, len(r.input_ids))
@@ -271,9 +275,8 @@ class StreamLearner:
             return
         stats = group_stats(torch.tensor([m.reward for m in held], dtype=torch.float64), self.norm_by_std, self.obj.adv_eps)
         for r in held:  # deferred group: advantages known, one backward per member straight into R
-            adv = (r.reward - stats.mean) / (stats.std + self.obj.adv_eps) if self.norm_by_std else r.reward - stats.mean
             logp, ent, mask, ref, _ = self._row(r, len(r.input_ids))
-            per_tok = pg_token_loss(logp, adv)
+            per_tok = pg_token_loss(logp, stats.advantage(r.reward))
             reg = _regularizer(self.obj, logp, ref, ent)
             if reg is not None:
                 per_tok = per_tok + reg

@@ -31,6 +31,10 @@ class GroupStats:
     scale: float
     size: int
 
+    def advantage(self, reward: float) -> float:
+        """A = (r - mean) * scale, in float64."""
+        return (float(reward) - self.mean) * self.scale
+
 
 def group_stats(rewards_G: torch.Tensor, norm_by_std: bool = True, eps: float = GRPO_EPS) -> GroupStats:
     """Mean, unbiased std and advantage scale of one group's rewards (verl's edge rules).
