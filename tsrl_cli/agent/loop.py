@@ -1,0 +1,160 @@
+"""One trajectory: the model acts in an environment until it submits or a limit fires.
+
+The same function runs in training, evaluation and tests; only the engine (a real policy or a
+scripted one) and the environment (a sandboxed task) change. Every turn close, tool call and the
+trajectory end is an event with a timestamp (seconds on the caller's clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from tsrl_cli.agent.actions import FORMAT_ERROR, parse_action, submitted_by_output
+from tsrl_cli.agent.latency import ToolLatency
+from tsrl_cli.agent.renderer import ChatMLRenderer, TokenTrajectory
+from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest, request_seed
+from tsrl_cli.rollouts import Rollout
+
+SYSTEM_PROMPT = (
+    "You are an agent working in a shell. Each reply: a short THOUGHT, then exactly one ```bash block "
+    "with one command. Its output comes back to you. When the task is done, reply with the command `submit`."
+)
+
+
+@dataclass
+class ToolResult:
+    output: str  # stdout then stderr, already capped by the sandbox
+    exit_code: int | None
+    duration_s: float
+    limit: str | None = None  # which sandbox limit fired, if any
+
+
+@dataclass
+class RewardResult:
+    reward: float
+    reason: str = ""  # e.g. "tests passed 3/3", "verifier timed out"
+    details: dict = field(default_factory=dict)
+
+
+class AgentEnv(Protocol):
+    task_id: str
+    instruction: str
+
+    async def run(self, command: str, timeout_s: float) -> ToolResult: ...
+
+    async def reward(self) -> RewardResult: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    max_turns: int = 8
+    max_turn_tokens: int = 128
+    max_trajectory_tokens: int = 2048  # whole trajectory: prompt, turns and observations
+    tool_timeout_s: float = 10.0
+    wall_clock_s: float = 600.0
+    max_observation_chars: int = 2000
+
+
+@dataclass
+class AgentResult:
+    rollout: Rollout
+    exit_reason: str  # submitted | max_turns | token_limit | wall_clock | engine_error
+    reward: RewardResult
+    events: list[dict]
+    num_turns: int
+    policy_versions: list[int]
+
+
+def _clip(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n // 2] + f"\n[... {len(text) - n} characters cut ...]\n" + text[-n // 2:]
+
+
+async def run_agent(
+    env: AgentEnv,
+    generate: Callable[[TurnRequest], Awaitable[TurnOutput]],
+    renderer: ChatMLRenderer,
+    *,
+    group_id: str,
+    sample_index: int,
+    sampling: SamplingParams = SamplingParams(),
+    limits: AgentLimits = AgentLimits(),
+    seed_key: tuple = (),
+    latency: ToolLatency = ToolLatency(),
+    clock: Callable[[], float] = time.monotonic,
+    on_event: Callable[[dict], None] | None = None,
+    system_prompt: str = SYSTEM_PROMPT,
+) -> AgentResult:
+    """Run one trajectory. `seed_key` (round, task, sample...) makes every turn's seed unique and stable."""
+    events: list[dict] = []
+
+    def emit(kind: str, **kw) -> None:
+        ev = {"event": kind, "t": clock(), "group_id": group_id, "sample_index": sample_index, **kw}
+        events.append(ev)
+        if on_event is not None:
+            on_event(ev)
+
+    start = time.monotonic()
+    traj = TokenTrajectory()
+    traj.append(renderer.prompt(system_prompt, env.instruction), 0)
+    lat_rng = random.Random(request_seed(sampling.seed, *seed_key, "latency"))
+    exit_reason, versions, n_tool = "max_turns", [], 0
+    for turn in range(limits.max_turns):
+        budget = limits.max_trajectory_tokens - len(traj.input_ids)
+        if budget <= 0:
+            exit_reason = "token_limit"
+            break
+        if time.monotonic() - start >= limits.wall_clock_s:
+            exit_reason = "wall_clock"
+            break
+        params = replace(sampling, max_tokens=min(limits.max_turn_tokens, budget),
+                         stop_token_ids=renderer.stop_token_ids, seed=request_seed(sampling.seed, *seed_key, turn))
+        try:
+            out = await generate(TurnRequest(list(traj.input_ids), params))
+        except Exception as e:  # noqa: BLE001 - an engine failure ends this trajectory, not the run
+            exit_reason = f"engine_error: {type(e).__name__}: {e}"
+            break
+        versions.append(out.policy_version)
+        span = traj.append(out.token_ids, 1, out.logprobs)
+        traj.turn_spans.append(span)
+        emit("turn_close", turn=turn, span=list(span), tokens=len(out.token_ids), finish_reason=out.finish_reason,
+             policy_version=out.policy_version)
+        if out.finish_reason != "stop":  # cut by max_tokens: close the turn for the template (not trained on)
+            traj.append([renderer.im_end], 0)
+        action = parse_action(renderer.decode(out.token_ids))
+        if action.kind == "submit":
+            exit_reason = "submitted"
+            break
+        if action.kind == "format_error":
+            observation = FORMAT_ERROR
+        else:
+            remaining = limits.wall_clock_s - (time.monotonic() - start)
+            t0 = clock()
+            res = await env.run(action.command, max(0.0, min(limits.tool_timeout_s, remaining)))
+            delay = latency.sample(lat_rng, n_tool)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            n_tool += 1
+            emit("tool", turn=turn, t_start=t0, duration_s=res.duration_s, injected_latency_s=delay,
+                 exit_code=res.exit_code, limit=res.limit, command=action.command[:200])
+            if res.exit_code == 0 and submitted_by_output(res.output):
+                exit_reason = "submitted"
+                break
+            head = f"[exit code {res.exit_code}]" + (f" [limit: {res.limit}]" if res.limit else "")
+            observation = f"{head}\n{_clip(res.output, limits.max_observation_chars)}"
+        traj.append(renderer.observation(observation), 0)
+    try:
+        reward = await env.reward()
+    except Exception as e:  # noqa: BLE001 - a crashing verifier gives reward 0, never a crashed run
+        reward = RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}")
+    rollout = Rollout(group_id, sample_index, traj.input_ids, traj.loss_mask, float(reward.reward),
+                      list(traj.turn_spans), behavior_logprobs=traj.behavior_logprobs)
+    emit("trajectory_end", reason=exit_reason, reward=reward.reward, reward_reason=reward.reason,
+         turns=len(traj.turn_spans), tokens=len(traj.input_ids), loss_tokens=sum(traj.loss_mask))
+    return AgentResult(rollout, exit_reason, reward, events, len(traj.turn_spans), versions)
