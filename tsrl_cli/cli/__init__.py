@@ -13,6 +13,7 @@ import typer
 
 from tsrl_cli import __version__
 from tsrl_cli.cli.data import data_app, prepare_data
+from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(
@@ -39,6 +40,7 @@ app.command(
     ),
 )(prepare_data)
 app.add_typer(data_app, name="data")
+app.add_typer(env_app, name="env")
 
 
 def _version(value: bool):

@@ -1,0 +1,99 @@
+"""Repair environment: the agent edits a repository in a sandbox; the task's tests give the reward.
+
+Start state: a copy of the repository at its start state (the bug already in place), from a
+local directory (`repo_dir`, local executor) or from the task's image (docker executor).
+Reward (after submission or when a limit ends the trajectory): the test files named by
+FAIL_TO_PASS / PASS_TO_PASS are restored from the start state (the agent may not pass by editing
+tests, as SWE-bench re-applies its test patch), then the test command runs in the same sandbox
+with the verifier's own timeout; pytest's -rA summary is parsed; binary or pass-ratio reward.
+A crashing or hanging verifier gives reward 0 with the reason, never an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from tsrl_cli.agent.loop import RewardResult, ToolResult
+from tsrl_cli.agent.rewards import parse_pytest_log, repair_reward
+from tsrl_cli.errors import UsageError
+from tsrl_cli.sandbox import Limits, open_sandbox
+
+INSTRUCTION = (
+    "{problem}\n\nThe repository is in the current directory. Fix the bug in the source code so that the "
+    "tests pass. Do not edit the tests. Reply with `submit` when you are done."
+)
+
+
+def test_files(test_ids: list[str]) -> list[str]:
+    """Files named by pytest ids ("tests/test_x.py::test_y" -> "tests/test_x.py"), in order, unique."""
+    seen: dict[str, None] = {}
+    for t in test_ids:
+        seen.setdefault(t.split("::", 1)[0], None)
+    return list(seen)
+
+
+class RepairEnv:
+    """One trajectory on one RepairTask. Use `await env.start()` first, `await env.close()` last."""
+
+    def __init__(self, task, *, repo_dir: str | Path | None = None, executor: str = "local",
+                 limits: Limits | None = None, allow_unisolated: bool = False, reward_mode: str = "binary",
+                 verifier_timeout_s: float = 120.0, python: str = sys.executable):
+        self.task, self.task_id = task, task.task_id
+        self.repo_dir = Path(repo_dir) if repo_dir is not None else None
+        if executor == "local" and (self.repo_dir is None or not self.repo_dir.is_dir()):
+            raise UsageError(f"task {task.task_id}: the local executor needs the repository directory "
+                             f"(got {repo_dir}); use --executor docker with the task's image {task.image!r}")
+        self.executor, self.limits, self.allow_unisolated = executor, limits, allow_unisolated
+        self.reward_mode, self.verifier_timeout_s, self.python = reward_mode, verifier_timeout_s, python
+        self.instruction = INSTRUCTION.format(problem=task.problem_statement.strip())
+        self.sandbox = None
+
+    async def start(self) -> None:
+        self.sandbox = await asyncio.to_thread(
+            open_sandbox, self.repo_dir, executor=self.executor, image=self.task.image, limits=self.limits,
+            allow_unisolated=self.allow_unisolated,
+        )
+
+    async def run(self, command: str, timeout_s: float) -> ToolResult:
+        res = await asyncio.to_thread(self.sandbox.run, command, timeout_s)
+        out = res.stdout + (("\n" if res.stdout and res.stderr else "") + res.stderr if res.stderr else "")
+        return ToolResult(out, res.exit_code, res.duration_s, res.limit)
+
+    def test_command(self) -> str:
+        if self.task.test_command:
+            return self.task.test_command
+        files = test_files(self.task.fail_to_pass + self.task.pass_to_pass)
+        # -p no:cacheprovider: the verifier writes nothing into the repository
+        return f"{shlex.quote(self.python)} -m pytest -rA -q -p no:cacheprovider " + " ".join(map(shlex.quote, files))
+
+    def _restore_tests(self) -> None:
+        if self.repo_dir is None or self.sandbox.executor != "local":
+            return  # docker: the image's tests (and the task's test_patch) are the reference
+        for rel in test_files(self.task.fail_to_pass + self.task.pass_to_pass):
+            src, dst = self.repo_dir / rel, self.sandbox.workdir / rel
+            if src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+
+    async def reward(self) -> RewardResult:
+        if self.sandbox is None:
+            return RewardResult(0.0, "the sandbox never started")
+        try:
+            await asyncio.to_thread(self._restore_tests)
+            res = await asyncio.to_thread(self.sandbox.run, self.test_command(), self.verifier_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the verifier's failure is a reward of 0, with its reason
+            return RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}")
+        if res.limit:
+            return RewardResult(0.0, f"verifier stopped by the {res.limit} limit", {"exit_code": res.exit_code})
+        status = parse_pytest_log(res.stdout)
+        if not status:
+            return RewardResult(0.0, f"no test results (exit code {res.exit_code}): {res.stderr.strip()[-200:]}")
+        return repair_reward(status, self.task.fail_to_pass, self.task.pass_to_pass, self.reward_mode)
+
+    async def close(self) -> None:
+        if self.sandbox is not None:
+            await asyncio.to_thread(self.sandbox.close)

@@ -1,0 +1,128 @@
+"""The executor interface: one Sandbox per trajectory, `run(command, timeout_s) -> ExecResult`.
+
+Agent-written commands are untrusted. A sandbox starts from a copy of the task's directory, runs
+each command with `bash -c` in it, caps every resource it can, and never raises because a
+command crashed or hung: what happened is in the ExecResult.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tsrl_cli.errors import UsageError
+
+LIMIT_NAMES = ("wall_clock", "cpu_time", "memory", "processes", "file_size", "output")
+
+
+class IsolationError(UsageError):
+    """No isolation is available and the caller did not allow running unisolated."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps for one command. Units: seconds and bytes. Defaults suit an agent's bash tool."""
+
+    cpu_time_s: int = 120  # RLIMIT_CPU, per process (soft -> SIGXCPU, hard one second later -> SIGKILL)
+    memory_bytes: int = 4 << 30  # RLIMIT_AS per process, and the cgroup memory cap of the whole tree where possible
+    processes: int = 256  # RLIMIT_NPROC inside the sandbox's user namespace, and cgroup pids.max where possible
+    file_size_bytes: int = 1 << 30  # RLIMIT_FSIZE: the largest file a command may write
+    output_bytes: int = 1 << 20  # kept per stream (stdout, stderr); the rest is read and dropped
+    output_kill_bytes: int = 32 << 20  # stdout + stderr read in total before the command is killed
+
+
+@dataclass
+class ExecResult:
+    """What one command did. `limit` is None, or the limit that fired (one of LIMIT_NAMES).
+
+    When several fired, the most specific wins: output, then memory/processes seen by the cgroup,
+    then cpu_time/file_size (signals), memory/processes read from stderr, and wall_clock last.
+    `exit_code` follows the shell: 128 + N when the command died of signal N.
+    """
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    limit: str | None = None
+    truncated: bool = False  # some stdout/stderr was dropped (over Limits.output_bytes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Sandbox(ABC):
+    """A fresh working directory with the task's files, and a way to run commands in it."""
+
+    executor: str = ""
+    workdir: Path
+
+    @property
+    @abstractmethod
+    def isolation(self) -> str:
+        """What separates commands from the host: "bwrap", "unshare", "docker" or "none"."""
+
+    @property
+    def isolation_summary(self) -> str:
+        return self.isolation
+
+    @abstractmethod
+    def run(self, command: str, timeout_s: float) -> ExecResult:
+        """Run `bash -c command` in the working directory; never raises for the command's faults."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Kill everything the sandbox started and delete its working directory. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110  interpreter shutdown: nothing left to report to
+            pass
+
+
+def copy_task_dir(task_dir: str | os.PathLike | None, base_dir: str | None = None) -> Path:
+    """A fresh directory holding a copy of task_dir (empty when None)."""
+    if task_dir is not None and not Path(task_dir).is_dir():
+        raise UsageError(f"task directory {task_dir}: not a directory")
+    workdir = Path(tempfile.mkdtemp(prefix="tsrl-sbx-", dir=base_dir))
+    if task_dir is not None:
+        try:
+            shutil.copytree(task_dir, workdir, symlinks=True, dirs_exist_ok=True)
+        except BaseException:
+            remove_tree(workdir)
+            raise
+    return workdir
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+def remove_tree(root: Path) -> None:
+    """rmtree that also removes what a command made unwritable (chmod 000 directories)."""
+
+    def onerror(func, path, _exc):
+        try:
+            os.chmod(os.path.dirname(path), stat.S_IRWXU)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, stat.S_IRWXU)
+            func(path)
+        except OSError:
+            pass
+
+    shutil.rmtree(root, onerror=onerror)

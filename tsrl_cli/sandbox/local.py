@@ -1,0 +1,407 @@
+"""The `local` executor: each command in its own process group, namespaces and rlimits.
+
+Isolation, best first (`isolation="auto"`):
+
+- `bwrap` (Debian's bubblewrap): new pid, network, IPC and UTS namespaces, the host root
+  mounted read-only, the working directory the only writable host path, fresh tmpfs over /tmp,
+  /var/tmp, /root and /home, /etc/shadow and friends hidden, no capabilities left.
+  As a user, bwrap runs unprivileged in a new user namespace (`--cap-drop ALL`).
+  As root, bwrap sets the mounts up as root (so `ro_binds` under /root can be shown), and the
+  command then drops, through setpriv, to a uid of its own (a random unused uid >= 200000,
+  or `sandbox_uid`) with no capabilities and no_new_privs: it is not root on the host.
+- `unshare` (root only, when bwrap is missing): util-linux unshare with the same namespaces,
+  the mounts remade read-only by a shell script, then the same setpriv drop.
+- `none`: only the rlimits, the process group and the scrubbed environment. Refused unless the
+  caller passes allow_unisolated=True (the CLI's --allow-unisolated).
+
+`ro_binds` (default: this interpreter's installation when a hidden directory covers it, as
+pyenv under /root does here) are shown read-only, so a verifier can run `sys.executable`.
+
+What is enforced, measured on this project's machine (root, kernel 6.18, cgroup v1, bwrap 0.8):
+
+- wall clock: enforced everywhere. At the timeout the whole tree dies: the process group,
+  the pid namespace (its init is killed) and the cgroup.
+- CPU time (RLIMIT_CPU): per process, not per tree: a command that forks can use
+  processes x cpu_time_s in total; the wall clock bounds the rest.
+- memory: RLIMIT_AS per process (virtual memory, so runtimes that reserve big address ranges,
+  such as the JVM or Go, need a larger cap), plus a memory cgroup over the whole tree where one
+  can be created (root on cgroup v1 here: four 400 MB processes under a 512 MiB cap are
+  OOM-killed, and the result says "memory").
+- processes: RLIMIT_NPROC counts per user and is never enforced for root. As root the command
+  runs as its own fresh uid, so the count is this sandbox's processes. As a user under bwrap it
+  runs in its own user namespace, where the kernel (>= 5.14, ucounts) also counts only this
+  sandbox: measured, 30 host processes of the same uid did not use up a cap of 20 inside.
+  A pids cgroup (pids.max = processes + 8, the launcher's own processes included) is added
+  where one can be created. With `none` as root only that cgroup caps processes, and the
+  command, being root, could raise its own rlimits again.
+- file size (RLIMIT_FSIZE): per file written.
+- output: at most output_bytes kept per stream, read while the command runs; after
+  output_kill_bytes in total the command is killed.
+- background processes die with their command: the pid namespace ends when the command does,
+  and otherwise the process group (and the cgroup) is killed. Nothing survives between runs.
+
+Run: `tsrl env exec --workdir DIR -- 'echo hi'`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import selectors
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tsrl_cli.sandbox._cgroup import Cgroup
+from tsrl_cli.sandbox.base import (
+    ExecResult,
+    IsolationError,
+    Limits,
+    Sandbox,
+    chown_tree,
+    copy_task_dir,
+    remove_tree,
+)
+
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Hidden in the sandbox even though the command no longer runs as root (defence in depth).
+HIDDEN_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
+HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/etc/ssh", "/etc/sudoers.d", "/run/secrets")
+ISOLATIONS = ("auto", "bwrap", "unshare", "none")
+
+_MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "cannot allocate memory", "Out of memory",
+                  "out of memory", "std::bad_alloc", "xmalloc: cannot allocate", "xrealloc: cannot allocate")
+_FORK_ERRORS = ("fork: retry: Resource temporarily unavailable", "fork: Resource temporarily unavailable",
+                "Resource temporarily unavailable", "BlockingIOError")
+
+
+def default_ro_binds() -> list[str]:
+    """This interpreter's installation, where a hidden directory covers it (pyenv under /root).
+
+    Shown read-only so that a verifier can run `sys.executable` (a venv's python links there).
+    """
+    hidden = tuple(d.rstrip("/") + "/" for d in HIDDEN_DIRS)
+    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
+    return sorted(p for p in paths if (p + "/").startswith(hidden) and os.path.isdir(p))
+
+
+def _fresh_uid() -> int:
+    """A uid in [200000, 1200000) that no running process uses (no passwd entry needed)."""
+    import random
+
+    used = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                used.add(os.stat(f"/proc/{p}").st_uid)
+            except OSError:
+                pass
+    while (uid := random.randrange(200_000, 1_200_000)) in used:
+        pass
+    return uid
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+@functools.cache
+def bwrap_works() -> bool:
+    """bwrap is installed and can create its namespaces here (it cannot in some containers)."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return False
+    cmd = [exe, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-net", "--die-with-parent", "true"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def choose_isolation(isolation: str = "auto", allow_unisolated: bool = False) -> str:
+    """The isolation to use, or IsolationError with a one-line reason and the fix."""
+    if isolation not in ISOLATIONS:
+        raise IsolationError(f"isolation {isolation!r}: expected one of {', '.join(ISOLATIONS)}")
+    can_unshare = _is_root() and shutil.which("unshare") is not None and shutil.which("setpriv") is not None
+    if isolation == "bwrap" and not bwrap_works():
+        raise IsolationError("bwrap is missing or cannot create namespaces here (apt-get install bubblewrap)")
+    if isolation == "unshare" and not can_unshare:
+        raise IsolationError("unshare isolation needs root and util-linux's unshare and setpriv")
+    if isolation == "auto":
+        isolation = "bwrap" if bwrap_works() else "unshare" if can_unshare else "none"
+    if isolation == "none" and not allow_unisolated:
+        raise IsolationError(
+            "no sandbox isolation available (install bubblewrap, or run as root for unshare); "
+            "pass --allow-unisolated (allow_unisolated=True) to run untrusted commands without it"
+        )
+    return isolation
+
+
+class LocalSandbox(Sandbox):
+    """Commands run on this machine, isolated by bwrap or unshare (see the module docstring)."""
+
+    executor = "local"
+
+    def __init__(
+        self,
+        task_dir: str | os.PathLike | None = None,
+        *,
+        limits: Limits | None = None,
+        isolation: str = "auto",
+        allow_unisolated: bool = False,
+        env: dict[str, str] | None = None,
+        base_dir: str | None = None,
+        sandbox_uid: int | None = None,
+        ro_binds: Sequence[str] | None = None,
+    ):
+        self._closed = True
+        self._isolation = choose_isolation(isolation, allow_unisolated)
+        self.limits = limits or Limits()
+        # host directories shown read-only even under a hidden path (at most 7: the unshare script's fds 3-9)
+        self.ro_binds = [os.path.realpath(p) for p in (default_ro_binds() if ro_binds is None else ro_binds)][:7]
+        self.workdir = copy_task_dir(task_dir, base_dir)
+        self._closed = False
+        # As root, commands run as a uid of their own (sandbox_uid, default a random unused one):
+        # not root on the host, and RLIMIT_NPROC, which counts per uid, counts this sandbox only.
+        self._uid = None
+        if _is_root() and self._isolation != "none":
+            self._uid = sandbox_uid if sandbox_uid is not None else _fresh_uid()
+        if self._uid is not None:
+            chown_tree(self.workdir, self._uid, self._uid)
+            os.chmod(self.workdir, 0o700)
+        self._cgroup = Cgroup(pids_max=self.limits.processes + 8, memory_bytes=self.limits.memory_bytes)
+        self.env = {"PATH": SAFE_PATH, "HOME": str(self.workdir), "LANG": "C.UTF-8", "TERM": "dumb",
+                    "USER": "sandbox", **(env or {})}
+        if self._isolation != "none":
+            self.env["TMPDIR"] = "/tmp"  # a private tmpfs
+
+    @property
+    def isolation(self) -> str:
+        return self._isolation
+
+    @property
+    def cgroups(self) -> list[str]:
+        """The cgroup controllers capping this sandbox's whole tree ("memory", "pids"), maybe none."""
+        return sorted(self._cgroup.dirs)
+
+    @property
+    def isolation_summary(self) -> str:
+        lim = self.limits
+        caps = [f"cpu {lim.cpu_time_s}s/process", f"memory {lim.memory_bytes >> 20} MiB",
+                f"processes {lim.processes}", f"file size {lim.file_size_bytes >> 20} MiB",
+                f"output {lim.output_bytes >> 10} KiB/stream"]
+        cg = ",".join(self.cgroups) or "none"
+        how = {
+            "bwrap": "bwrap: no network, read-only host, private /tmp /root /home, pid namespace",
+            "unshare": "unshare: no network, read-only host, private /tmp /root /home, pid namespace",
+            "none": "NONE: commands can read and write the host and use the network",
+        }[self._isolation]
+        if self._isolation == "bwrap" and self._uid is None:
+            how += ", user namespace"
+        uid = f", uid {self._uid}, no capabilities" if self._uid is not None else ""
+        return f"{how}{uid}; cgroups: {cg}; limits: {', '.join(caps)}"
+
+    # -- command line -----------------------------------------------------------------------------
+
+    def _limited_bash(self, command: str) -> list[str]:
+        """bash that sets the rlimits (hard and soft) and then runs the command; it cannot raise them."""
+        lim = self.limits
+        def kib(nbytes: int) -> int:  # ulimit's unit for -v and -f
+            return max(1, nbytes >> 10)
+
+        setup = (
+            f"ulimit -t {lim.cpu_time_s + 1} -v {kib(lim.memory_bytes)} -f {kib(lim.file_size_bytes)}"
+            f" -u {lim.processes} -c 0 && ulimit -S -t {lim.cpu_time_s} || exit 125; "
+            'exec bash -c "$1"'
+        )
+        return ["bash", "--noprofile", "--norc", "-c", setup, "tsrl-sandbox", command]
+
+    def _bwrap(self) -> list[str]:
+        wd = str(self.workdir)
+        cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--perms", "01777", "--tmpfs", "/dev/shm",
+               "--proc", "/proc"]
+        for d in HIDDEN_DIRS:
+            if os.path.isdir(d):  # world-writable and sticky like the real ones (root's bwrap makes 0755)
+                cmd += ["--perms", "01777" if d in ("/tmp", "/var/tmp") else "0755", "--tmpfs", d]
+        for f in HIDDEN_FILES:
+            if os.path.exists(f):
+                cmd += ["--ro-bind", "/dev/null", f]
+        for p in self.ro_binds:  # traversable parents inside the tmpfs (bwrap would make them 0700)
+            parents = [str(a) for a in reversed(Path(p).parents) if str(a) not in ("/", *HIDDEN_DIRS)]
+            for a in parents:
+                if any(a.startswith(h + "/") for h in HIDDEN_DIRS):
+                    cmd += ["--perms", "0755", "--dir", a]
+            cmd += ["--ro-bind", p, p]
+        cmd += ["--bind", wd, wd, "--chdir", wd, "--unshare-pid", "--unshare-net", "--unshare-ipc",
+                "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+        if self._uid is None:  # a user: unprivileged bwrap, in a user namespace, no capabilities
+            return [*cmd, "--unshare-user", "--cap-drop", "ALL"]
+        # root: bwrap sets up as root (so it can show ro_binds under /root), then the command drops
+        # to the sandbox uid with no capabilities at all
+        return [*cmd, *self._drop_root()]
+
+    def _drop_root(self) -> list[str]:
+        return ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs"]
+
+    def _unshare_script(self) -> str:
+        """Runs as root in fresh mount/pid/net namespaces: remount read-only, then drop to the uid."""
+        q = shlex.quote
+        wd = q(str(self.workdir))
+        hide_dirs = " ".join(q(d) for d in (*HIDDEN_DIRS, "/dev/shm") if os.path.isdir(d))  # bwrap's --dev has its own shm
+        hide_files = " ".join(q(f) for f in HIDDEN_FILES if os.path.exists(f))
+        keep = "".join(f"exec {3 + i}<{q(p)}; " for i, p in enumerate(self.ro_binds))  # handles, like the cwd
+        show = "".join(f"mkdir -p {q(p)}; mount -c --bind /proc/self/fd/{3 + i} {q(p)}; "
+                       f"mount -o remount,bind,ro {q(p)}; " for i, p in enumerate(self.ro_binds))
+        return (
+            "set -e; mount --make-rprivate /; cd " + wd + "; " + keep +
+            # every mount read-only (the cwd keeps a handle on the workdir while /tmp is covered)
+            "for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do "
+            'case "$m" in /proc|/proc/*) continue;; esac; mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
+            f"for d in {hide_dirs}; do mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs \"$d\"; done; "
+            f"for f in {hide_files}; do mount --bind /dev/null \"$f\"; done; " + show +
+            # -c: mount must not canonicalize ".", which now names the new empty directory
+            f"mkdir -p {wd}; mount -c --bind . {wd}; mount -o remount,bind,rw {wd}; cd {wd}; "
+            "ip link set lo up 2>/dev/null || true; set +e; "
+            # not exec: pid 1 of a namespace ignores SIGXCPU, so the command must not be pid 1
+            f'{shlex.join(self._drop_root())} "$@"; exit $?'
+        )
+
+    def _argv(self, command: str) -> list[str]:
+        inner = self._limited_bash(command)
+        if self._isolation == "bwrap":
+            argv = [*self._bwrap(), *inner]
+        elif self._isolation == "unshare":
+            argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                    "--mount-proc", "sh", "-c", self._unshare_script(), "tsrl-unshare", *inner]
+        else:
+            argv = inner
+        procs = self._cgroup.procs_files
+        if procs:  # join the cgroups before anything else runs, so no child escapes them
+            joins = "; ".join(f"echo $$ > {shlex.quote(p)}" for p in procs)
+            argv = ["sh", "-c", f'{joins}; exec "$@"', "tsrl-cgroup", *argv]
+        return argv
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run(self, command: str, timeout_s: float) -> ExecResult:
+        if self._closed:
+            return ExecResult("", "sandbox is closed", 126, 0.0)
+        before = self._cgroup.counters()
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                self._argv(command), cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            )
+        except OSError as e:
+            return ExecResult("", f"sandbox: could not start the command: {e}", 126, time.monotonic() - start)
+        try:
+            out, err, truncated, limit = self._communicate(proc, timeout_s)
+        finally:
+            self._kill(proc)
+        duration = time.monotonic() - start
+        rc = proc.returncode
+        rc = 137 if rc is None else rc if rc >= 0 else 128 - rc  # None: still dying after SIGKILL
+        if limit in ("wall_clock", "output"):
+            rc = 128 + signal.SIGKILL  # we killed it; launchers (unshare) may report that differently
+        stdout = out.decode("utf-8", errors="replace")
+        stderr = err.decode("utf-8", errors="replace")
+        if self._isolation == "unshare":  # util-linux noise when its child was SIGKILLed by us
+            stderr = stderr.replace("unshare: sigprocmask unblock failed: Invalid argument\n", "")
+        if limit != "output":  # a fork bomb hits pids.max, then hangs until the wall clock: say processes
+            limit = self._which_limit(rc, stderr, before) or limit
+        return ExecResult(stdout, stderr, rc, round(duration, 4), limit, truncated)
+
+    def _communicate(self, proc: subprocess.Popen, timeout_s: float) -> tuple[bytes, bytes, bool, str | None]:
+        """Read both pipes as they fill, keep the first output_bytes of each, enforce the wall clock."""
+        lim = self.limits
+        bufs = [bytearray(), bytearray()]
+        total, truncated, limit, killed_at = 0, False, None, None
+        deadline = time.monotonic() + timeout_s
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, 0)
+        sel.register(proc.stderr, selectors.EVENT_READ, 1)
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if killed_at is None:
+                    if now >= deadline:
+                        limit, killed_at = "wall_clock", now
+                        self._kill(proc)
+                    elif proc.poll() is not None:  # done: its strays must not hold the pipes open
+                        killed_at = now
+                        self._kill(proc)
+                elif now - killed_at > 2.0:  # something unkillable holds a pipe; give up on it
+                    break
+                for key, _ in sel.select(timeout=0.05):
+                    data = os.read(key.fd, 1 << 16)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        continue
+                    total += len(data)
+                    buf = bufs[key.data]
+                    room = lim.output_bytes - len(buf)
+                    if room > 0:
+                        buf += data[:room]
+                    if len(data) > room:
+                        truncated = True
+                    if total > lim.output_kill_bytes and killed_at is None:
+                        limit, killed_at = "output", time.monotonic()
+                        self._kill(proc)
+        finally:
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+        return bytes(bufs[0]), bytes(bufs[1]), truncated, limit
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the command's tree: the process group, the cgroup, and with them the pid namespace.
+
+        With a cgroup, everything but the launcher (bwrap or unshare) dies first, so that the
+        launcher reaps its child before it exits itself: a host init that does not reap (this
+        project's machines) would otherwise collect one zombie per timeout.
+        """
+        if self._cgroup.dirs and proc.poll() is None:
+            self._cgroup.kill_all(spare=proc.pid)
+            try:
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._cgroup.kill_all()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _which_limit(self, rc: int, stderr: str, before: tuple[int, int]) -> str | None:
+        pids_hits, ooms = self._cgroup.counters()
+        if ooms > before[1]:
+            return "memory"
+        if pids_hits > before[0]:
+            return "processes"
+        if rc == 128 + signal.SIGXCPU or "CPU time limit exceeded" in stderr:
+            return "cpu_time"
+        if rc == 128 + signal.SIGXFSZ or "File size limit exceeded" in stderr or "File too large" in stderr:
+            return "file_size"
+        if any(s in stderr for s in _MEMORY_ERRORS):
+            return "memory"
+        if any(s in stderr for s in _FORK_ERRORS):
+            return "processes"
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cgroup.remove()
+        remove_tree(self.workdir)
