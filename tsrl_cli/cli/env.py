@@ -29,7 +29,9 @@ env_app = typer.Typer(
 )
 def exec_(
     command: Annotated[list[str], typer.Argument(help="The command, after `--`; several words are joined with spaces and run by `bash -c`.")],
-    workdir: Annotated[str, typer.Option(help="The task's starting directory; the sandbox works on a fresh copy of it.")],
+    task: Annotated[str | None, typer.Option(help="Task id in --dataset: the sandbox starts from that task's start state.")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Prepared dataset (name under data/ or a path) holding --task.")] = None,
+    workdir: Annotated[str | None, typer.Option(help="Instead of --task: a directory; the sandbox works on a fresh copy of it.")] = None,
     executor: Annotated[str, typer.Option(help="local (bubblewrap or unshare) or docker.")] = "local",
     image: Annotated[str | None, typer.Option(help="Docker image (docker executor).")] = None,
     timeout_s: Annotated[float, typer.Option(help="Wall-clock limit in seconds; the whole process tree is killed at it.")] = 60.0,
@@ -43,6 +45,7 @@ def exec_(
     try:
         if timeout_s <= 0:
             raise UsageError(f"--timeout-s {timeout_s}: must be positive")
+        workdir, image = _start(task, dataset, workdir, executor, image)
         with open_sandbox(workdir, executor=executor, image=image, allow_unisolated=allow_unisolated) as sb:
             if not json_out:
                 err_console.print(f"[dim]sandbox: {sb.executor}, isolation {sb.isolation_summary}[/dim]",
@@ -63,3 +66,61 @@ def exec_(
     err_console.print(f"exit code {res.exit_code} · {res.duration_s:.2f} s · limit fired: {limit}{more}",
                       highlight=False, soft_wrap=True)
     raise typer.Exit(0)
+
+
+def _start(task, dataset, workdir, executor, image):
+    """The start directory and image for --task/--dataset, or --workdir as given."""
+    if (task is None) == (workdir is None):
+        raise UsageError("pass either --task ID (with --dataset NAME) or --workdir DIR")
+    if workdir is not None:
+        return workdir, image
+    if dataset is None:
+        raise UsageError("--task needs --dataset NAME (a prepared dataset; `tsrl env list` shows them)")
+    from tsrl_cli.envs.tasks import find_task, open_dataset, start_dir, task_image
+
+    d, _, tasks = open_dataset(dataset)
+    t = find_task(tasks, task, dataset)
+    start = start_dir(d, t)
+    if executor == "local" and start is None:
+        raise UsageError(f"task {task}: its start state exists only in the image {task_image(t)!r}; "
+                         "use --executor docker where a Docker daemon runs")
+    return (str(start) if start is not None else None), (image or task_image(t))
+
+
+@env_app.command("list", epilog="Examples:  tsrl env list  ·  tsrl env list --dataset swe_smith --json")
+def list_(
+    dataset: Annotated[str | None, typer.Option(help="Prepared dataset to list the tasks of (default: list the datasets under data/).")] = None,
+    limit: Annotated[int, typer.Option(help="Show at most this many tasks (0 = all).")] = 50,
+    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+) -> None:
+    """List prepared datasets, or the tasks of one (ids first)."""
+    from tsrl_cli.console import console, err_console
+
+    try:
+        from tsrl_cli.envs.tasks import list_datasets, open_dataset, start_dir, task_image
+
+        if dataset is None:
+            rows = list_datasets()
+            if json_out:
+                typer.echo(json.dumps({"datasets": rows}))
+            elif not rows:
+                err_console.print("no prepared datasets under data/ (see `tsrl prepare-data --help`)")
+            for r in [] if json_out else rows:
+                console.print(f"{r['name']}\t{r['kind']}\t{r['tasks']} tasks\t{r['source']}", highlight=False)
+            raise typer.Exit(0)
+        d, m, tasks = open_dataset(dataset)
+        shown = tasks if limit <= 0 else tasks[:limit]
+        rows = [{"task_id": t.task_id, "kind": t.kind, "split": t.split,
+                 "local_start": str(start_dir(d, t)) if start_dir(d, t) else None, "image": task_image(t)}
+                for t in shown]
+    except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(json.dumps({"dataset": str(d), "num_tasks": len(tasks), "tasks": rows}))
+        raise typer.Exit(0)
+    for r in rows:
+        where = "local" if r["local_start"] else f"image {r['image']}"
+        console.print(f"{r['task_id']}\t{r['kind']}\t{r['split']}\t{where}", highlight=False, soft_wrap=True)
+    if len(shown) < len(tasks):
+        err_console.print(f"[dim]{len(shown)} of {len(tasks)} tasks shown (--limit 0 for all)[/dim]")

@@ -47,6 +47,9 @@ class RepairTask:
     log_parser: str | None = None  # swebench 5.x parser name, e.g. "pytest"
     eval_script: str | None = None  # swebench 5.x: the row carries its own evaluation script
     eval_type: str | None = None
+    # A folder holding the repository at its start state, relative to the dataset folder: what the
+    # local executor copies (embedded tasks). None: the start state lives only in `image`.
+    start_dir: str | None = None
     meta: dict = field(default_factory=dict)
 
     kind = "repair"

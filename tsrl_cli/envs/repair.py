@@ -17,10 +17,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from tsrl_cli.agent.loop import RewardResult, ToolResult
+from tsrl_cli.agent.loop import RewardResult
 from tsrl_cli.agent.rewards import parse_pytest_log, repair_reward
+from tsrl_cli.envs.base import SandboxEnv
 from tsrl_cli.errors import UsageError
-from tsrl_cli.sandbox import Limits, open_sandbox
+from tsrl_cli.sandbox import Limits
 
 INSTRUCTION = (
     "{problem}\n\nThe repository is in the current directory. Fix the bug in the source code so that the "
@@ -36,32 +37,20 @@ def test_files(test_ids: list[str]) -> list[str]:
     return list(seen)
 
 
-class RepairEnv:
+class RepairEnv(SandboxEnv):
     """One trajectory on one RepairTask. Use `await env.start()` first, `await env.close()` last."""
 
     def __init__(self, task, *, repo_dir: str | Path | None = None, executor: str = "local",
                  limits: Limits | None = None, allow_unisolated: bool = False, reward_mode: str = "binary",
                  verifier_timeout_s: float = 120.0, python: str = sys.executable):
-        self.task, self.task_id = task, task.task_id
-        self.repo_dir = Path(repo_dir) if repo_dir is not None else None
+        super().__init__(executor=executor, limits=limits, allow_unisolated=allow_unisolated)
+        self.task, self.task_id, self.image = task, task.task_id, task.image
+        self.repo_dir = self.start_path = Path(repo_dir) if repo_dir is not None else None
         if executor == "local" and (self.repo_dir is None or not self.repo_dir.is_dir()):
-            raise UsageError(f"task {task.task_id}: the local executor needs the repository directory "
+            raise UsageError(f"task {task.task_id}: the local executor needs the repository at its start state "
                              f"(got {repo_dir}); use --executor docker with the task's image {task.image!r}")
-        self.executor, self.limits, self.allow_unisolated = executor, limits, allow_unisolated
         self.reward_mode, self.verifier_timeout_s, self.python = reward_mode, verifier_timeout_s, python
         self.instruction = INSTRUCTION.format(problem=task.problem_statement.strip())
-        self.sandbox = None
-
-    async def start(self) -> None:
-        self.sandbox = await asyncio.to_thread(
-            open_sandbox, self.repo_dir, executor=self.executor, image=self.task.image, limits=self.limits,
-            allow_unisolated=self.allow_unisolated,
-        )
-
-    async def run(self, command: str, timeout_s: float) -> ToolResult:
-        res = await asyncio.to_thread(self.sandbox.run, command, timeout_s)
-        out = res.stdout + (("\n" if res.stdout and res.stderr else "") + res.stderr if res.stderr else "")
-        return ToolResult(out, res.exit_code, res.duration_s, res.limit)
 
     def test_command(self) -> str:
         if self.task.test_command:
@@ -93,7 +82,3 @@ class RepairEnv:
         if not status:
             return RewardResult(0.0, f"no test results (exit code {res.exit_code}): {res.stderr.strip()[-200:]}")
         return repair_reward(status, self.task.fail_to_pass, self.task.pass_to_pass, self.reward_mode)
-
-    async def close(self) -> None:
-        if self.sandbox is not None:
-            await asyncio.to_thread(self.sandbox.close)

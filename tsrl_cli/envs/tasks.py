@@ -1,0 +1,69 @@
+"""From a prepared dataset and a task id to a ready environment: what `tsrl env` and training use.
+
+Start state per executor:
+  repair task   local: <dataset>/<start_dir> (embedded tasks ship their repositories); docker: task.image
+  terminal task local: a copy of <dataset>/<task_dir>/<environment_dir> (an approximation of the
+                image for tasks whose environment is plain files); docker: task.docker_image
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from tsrl_cli.errors import UsageError
+
+
+def open_dataset(name: str) -> tuple[Path, dict, list]:
+    """(folder, manifest, tasks) of a prepared dataset given by name (under data/) or path."""
+    from tsrl_cli.datasets.check import resolve
+    from tsrl_cli.datasets.records import load_dataset_dir
+
+    d = resolve(name)
+    m, tasks = load_dataset_dir(d)
+    return d, m, tasks
+
+
+def list_datasets(root: str | Path = "data") -> list[dict]:
+    """Prepared datasets under `root` (folders with a manifest), with their kind and task count."""
+    from tsrl_cli.datasets.records import MANIFEST, read_manifest
+
+    out = []
+    for d in sorted(Path(root).glob(f"*/{MANIFEST}")):
+        try:
+            m = read_manifest(d.parent)
+        except UsageError:
+            continue
+        out.append({"name": d.parent.name, "path": str(d.parent), "kind": m.get("kind"), "source": m.get("source"),
+                    "tasks": m.get("written")})
+    return out
+
+
+def find_task(tasks: list, task_id: str, dataset: str = ""):
+    by_id = {t.task_id: t for t in tasks}
+    if task_id in by_id:
+        return by_id[task_id]
+    near = difflib.get_close_matches(task_id, list(by_id), n=3)
+    hint = f"; did you mean {', '.join(near)}?" if near else f"; `tsrl env list --dataset {dataset}` lists them"
+    raise UsageError(f"task {task_id!r} is not in dataset {dataset or '?'}{hint}")
+
+
+def start_dir(dataset_dir: Path, task) -> Path | None:
+    if task.kind == "repair":
+        return dataset_dir / task.start_dir if task.start_dir else None
+    return dataset_dir / task.task_dir / task.environment_dir
+
+
+def task_image(task) -> str | None:
+    return task.image if task.kind == "repair" else task.docker_image
+
+
+def make_env(task, dataset_dir: Path, *, executor: str = "local", **kw):
+    """The AgentEnv for a task (call `await env.start()` before use)."""
+    if task.kind == "repair":
+        from tsrl_cli.envs.repair import RepairEnv
+
+        return RepairEnv(task, repo_dir=start_dir(dataset_dir, task), executor=executor, **kw)
+    from tsrl_cli.envs.terminal import TerminalEnv
+
+    return TerminalEnv(task, dataset_dir, executor=executor, **kw)
