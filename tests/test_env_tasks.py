@@ -1,0 +1,49 @@
+"""`tsrl env list` / `tsrl env exec --task` on a prepared dataset (terminal-bench fixtures)."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from tsrl_cli.cli import app
+
+runner = CliRunner()
+needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
+                                     reason="no sandbox isolation (bubblewrap or unshare)")
+
+
+@pytest.fixture(scope="module")
+def tb(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds") / "tb"
+    res = runner.invoke(app, ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
+                              "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_list_tasks_json(tb):
+    res = runner.invoke(app, ["env", "list", "--dataset", str(tb), "--json"])
+    assert res.exit_code == 0
+    doc = json.loads(res.stdout)
+    assert doc["num_tasks"] == 3 and doc["tasks"][0]["task_id"] == "csv-to-parquet"
+    assert all(t["local_start"] for t in doc["tasks"])
+
+
+@needs_isolation
+def test_exec_in_a_task_sandbox(tb):
+    res = runner.invoke(app, ["env", "exec", "--task", "hello-world", "--dataset", str(tb), "--json", "--", "ls"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == 0 and "Dockerfile" in doc["stdout"] and doc["limit"] is None
+
+
+def test_exec_usage_errors(tb):
+    res = runner.invoke(app, ["env", "exec", "--task", "hello-wrld", "--dataset", str(tb), "--", "ls"])
+    assert res.exit_code == 2 and "did you mean hello-world" in res.stderr
+    res = runner.invoke(app, ["env", "exec", "--task", "hello-world", "--", "ls"])
+    assert res.exit_code == 2 and "--dataset" in res.stderr
+    res = runner.invoke(app, ["env", "exec", "--", "ls"])
+    assert res.exit_code == 2
+    res = runner.invoke(app, ["env", "list", "--dataset", "/nonexistent/ds"])
+    assert res.exit_code == 2
