@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tsrl_cli.errors import UsageError
-from tsrl_cli.sandbox import Limits, open_sandbox
+from tsrl_cli.sandbox import Limits, Mount, open_sandbox
 from tsrl_cli.sandbox.docker import docker_unavailable_reason
 
 REASON = docker_unavailable_reason()
@@ -45,3 +45,28 @@ def test_docker_runs_and_limits(tmp_path):
         assert r.limit == "output" and r.truncated
         r = sb.run("python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=3)'", 20)
         assert r.exit_code != 0
+
+
+def test_docker_bad_mounts_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        open_sandbox(tmp_path, executor="docker", image=IMAGE, mounts=[Mount(str(tmp_path / "missing"), "/tests")])
+    with pytest.raises(UsageError, match="absolute"):
+        open_sandbox(tmp_path, executor="docker", image=IMAGE, mounts=[Mount(str(tmp_path), "tests")])
+
+
+@needs_daemon
+def test_docker_mounts(tmp_path):
+    tests, logs, app = tmp_path / "tests", tmp_path / "logs", tmp_path / "app"
+    for d in (tests, logs, app):
+        d.mkdir()
+    (tests / "test.sh").write_text("echo 1 > /logs/verifier/reward.txt\n")
+    (app / "a.txt").write_text("app\n")
+    verifier = [Mount(str(tests), "/tests"), Mount(str(logs), "/logs/verifier", read_only=False)]
+    with open_sandbox(None, executor="docker", image=IMAGE, limits=SMALL, mounts=[Mount(str(app), "/app")]) as sb:
+        assert sb.run("cat /app/a.txt; echo x > /app/b.txt", 30).stdout == "app\n"
+        assert not (app / "b.txt").exists()  # read-only volume
+        assert sb.run("ls /tests", 30).exit_code != 0
+        r = sb.run("bash /tests/test.sh", 30, mounts=verifier)
+        assert r.exit_code == 0, r
+        assert (logs / "reward.txt").read_text() == "1\n"
+        assert sb.run("ls /tests /logs/verifier", 30).exit_code != 0  # per-run: gone again

@@ -29,7 +29,7 @@ env_app = typer.Typer(
 )
 def exec_(
     command: Annotated[list[str], typer.Argument(help="The command, after `--`; several words are joined with spaces and run by `bash -c`.")],
-    task: Annotated[str | None, typer.Option(help="Task id in --dataset: the sandbox starts from that task's start state.")] = None,
+    task: Annotated[str | None, typer.Option(help="Task id in --dataset: runs in that task's environment, as the agent's tool does.")] = None,
     dataset: Annotated[str | None, typer.Option(help="Prepared dataset (name under data/ or a path) holding --task.")] = None,
     workdir: Annotated[str | None, typer.Option(help="Instead of --task: a directory; the sandbox works on a fresh copy of it.")] = None,
     executor: Annotated[str, typer.Option(help="local (bubblewrap or unshare) or docker.")] = "local",
@@ -45,13 +45,24 @@ def exec_(
     try:
         if timeout_s <= 0:
             raise UsageError(f"--timeout-s {timeout_s}: must be positive")
-        workdir, image = _start(task, dataset, workdir, executor, image)
-        with open_sandbox(workdir, executor=executor, image=image, allow_unisolated=allow_unisolated) as sb:
+        if (task is None) == (workdir is None):
+            raise UsageError("pass either --task ID (with --dataset NAME) or --workdir DIR")
+        if task is not None:  # the task's own environment: same start state and tool as the agent's
+            from tsrl_cli.envs.tasks import run_in_task
+
+            if dataset is None:
+                raise UsageError("--task needs --dataset NAME (a prepared dataset; `tsrl env list` shows them)")
+            res, isolation, summary = run_in_task(task, dataset, " ".join(command), timeout_s, executor=executor,
+                                                  allow_unisolated=allow_unisolated)
             if not json_out:
-                err_console.print(f"[dim]sandbox: {sb.executor}, isolation {sb.isolation_summary}[/dim]",
-                                  highlight=False, soft_wrap=True)
-            res = sb.run(" ".join(command), timeout_s)
-            isolation = sb.isolation
+                err_console.print(f"[dim]sandbox: {executor}, isolation {summary}[/dim]", highlight=False, soft_wrap=True)
+        else:
+            with open_sandbox(workdir, executor=executor, image=image, allow_unisolated=allow_unisolated) as sb:
+                if not json_out:
+                    err_console.print(f"[dim]sandbox: {sb.executor}, isolation {sb.isolation_summary}[/dim]",
+                                      highlight=False, soft_wrap=True)
+                res = sb.run(" ".join(command), timeout_s)
+                isolation = sb.isolation
     except UsageError as e:
         err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -66,25 +77,6 @@ def exec_(
     err_console.print(f"exit code {res.exit_code} · {res.duration_s:.2f} s · limit fired: {limit}{more}",
                       highlight=False, soft_wrap=True)
     raise typer.Exit(0)
-
-
-def _start(task, dataset, workdir, executor, image):
-    """The start directory and image for --task/--dataset, or --workdir as given."""
-    if (task is None) == (workdir is None):
-        raise UsageError("pass either --task ID (with --dataset NAME) or --workdir DIR")
-    if workdir is not None:
-        return workdir, image
-    if dataset is None:
-        raise UsageError("--task needs --dataset NAME (a prepared dataset; `tsrl env list` shows them)")
-    from tsrl_cli.envs.tasks import find_task, open_dataset, start_dir, task_image
-
-    d, _, tasks = open_dataset(dataset)
-    t = find_task(tasks, task, dataset)
-    start = start_dir(d, t)
-    if executor == "local" and start is None:
-        raise UsageError(f"task {task}: its start state exists only in the image {task_image(t)!r}; "
-                         "use --executor docker where a Docker daemon runs")
-    return (str(start) if start is not None else None), (image or task_image(t))
 
 
 @env_app.command("list", epilog="Examples:  tsrl env list  ·  tsrl env list --dataset swe_smith --json")

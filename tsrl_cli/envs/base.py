@@ -27,8 +27,12 @@ class SandboxEnv:
             allow_unisolated=self.allow_unisolated,
         )
 
+    def exec(self, command: str, timeout_s: float, mounts=None):
+        """One command exactly as the agent's bash tool runs it -> the sandbox's ExecResult."""
+        return self.sandbox.run(command, timeout_s, mounts=mounts)
+
     async def run(self, command: str, timeout_s: float) -> ToolResult:
-        res = await asyncio.to_thread(self.sandbox.run, command, timeout_s)
+        res = await asyncio.to_thread(self.exec, command, timeout_s)
         out = res.stdout + (("\n" if res.stdout and res.stderr else "") + res.stderr if res.stderr else "")
         return ToolResult(out, res.exit_code, res.duration_s, res.limit)
 

@@ -73,7 +73,7 @@ class RepairEnv(SandboxEnv):
             return RewardResult(0.0, "the sandbox never started")
         try:
             await asyncio.to_thread(self._restore_tests)
-            res = await asyncio.to_thread(self.sandbox.run, self.test_command(), self.verifier_timeout_s)
+            res = await asyncio.to_thread(self.exec, self.test_command(), self.verifier_timeout_s)
         except Exception as e:  # noqa: BLE001 - the verifier's failure is a reward of 0, with its reason
             return RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}")
         if res.limit:

@@ -67,3 +67,24 @@ def make_env(task, dataset_dir: Path, *, executor: str = "local", **kw):
     from tsrl_cli.envs.terminal import TerminalEnv
 
     return TerminalEnv(task, dataset_dir, executor=executor, **kw)
+
+
+def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, executor: str = "local",
+                allow_unisolated: bool = False):
+    """Run one command in a fresh environment of the task, exactly as the agent's bash tool would.
+
+    Returns (ExecResult, isolation, isolation summary).
+    """
+    import asyncio
+
+    d, _, tasks = open_dataset(dataset)
+    t = find_task(tasks, task_id, dataset)
+    if executor == "local" and t.kind == "repair" and start_dir(d, t) is None:
+        raise UsageError(f"task {task_id}: its start state exists only in the image {task_image(t)!r}; "
+                         "use --executor docker where a Docker daemon runs")
+    env = make_env(t, d, executor=executor, allow_unisolated=allow_unisolated)
+    asyncio.run(env.start())
+    try:
+        return env.exec(command, timeout_s), env.sandbox.isolation, env.sandbox.isolation_summary
+    finally:
+        asyncio.run(env.close())

@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 from tsrl_cli.errors import UsageError
-from tsrl_cli.sandbox.base import LIMIT_NAMES, ExecResult, IsolationError, Limits, Sandbox
+from tsrl_cli.sandbox.base import LIMIT_NAMES, ExecResult, IsolationError, Limits, Mount, Sandbox
 
 EXECUTORS = ("local", "docker")
 
-__all__ = ["EXECUTORS", "LIMIT_NAMES", "ExecResult", "IsolationError", "Limits", "Sandbox", "open_sandbox"]
+__all__ = ["EXECUTORS", "LIMIT_NAMES", "ExecResult", "IsolationError", "Limits", "Mount", "Sandbox", "open_sandbox"]
 
 
 def open_sandbox(
@@ -24,16 +25,22 @@ def open_sandbox(
     limits: Limits | None = None,
     allow_unisolated: bool = False,
     isolation: str = "auto",
+    mounts: Iterable[Mount] | None = None,
 ) -> Sandbox:
-    """A fresh sandbox for one trajectory, starting from a copy of task_dir. Close it (or use `with`)."""
+    """A fresh sandbox for one trajectory, starting from a copy of task_dir. Close it (or use `with`).
+
+    `mounts` (Mount(host, target, read_only=True)) are shown to every command; `sandbox.run(...,
+    mounts=[...])` shows more to one command only (a verifier's /tests, its /logs/verifier).
+    """
     if executor == "local":
         from tsrl_cli.sandbox.local import LocalSandbox
 
-        return LocalSandbox(task_dir, limits=limits, isolation=isolation, allow_unisolated=allow_unisolated)
+        return LocalSandbox(task_dir, limits=limits, isolation=isolation, allow_unisolated=allow_unisolated,
+                            mounts=mounts)
     if executor == "docker":
         from tsrl_cli.sandbox.docker import DockerSandbox
 
         if image is None:
             raise UsageError("the docker executor needs an image (--image, or the task's image)")
-        return DockerSandbox(task_dir, image=image, limits=limits)
+        return DockerSandbox(task_dir, image=image, limits=limits, mounts=mounts)
     raise UsageError(f"executor {executor!r}: expected one of {', '.join(EXECUTORS)}")

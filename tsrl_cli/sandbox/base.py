@@ -8,10 +8,12 @@ command crashed or hung: what happened is in the ExecResult.
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import stat
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +36,72 @@ class Limits:
     file_size_bytes: int = 1 << 30  # RLIMIT_FSIZE: the largest file a command may write
     output_bytes: int = 1 << 20  # kept per stream (stdout, stderr); the rest is read and dropped
     output_kill_bytes: int = 32 << 20  # stdout + stderr read in total before the command is killed
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A host file or directory shown inside the sandbox at `target` (an absolute path).
+
+    Read-only unless read_only=False. A target that does not exist is created as an empty mount
+    point (the host is not changed). See `check_mounts` for what is refused.
+    own_tree (read-write only): hand every file below `host` to the sandbox's uid for the mount's
+    lifetime, not just the top folder, so commands may chmod/mv/rm what is already there. For a
+    working copy tsrl made itself (a terminal task's /app), never for a user's folder.
+    """
+
+    host: str
+    target: str
+    read_only: bool = True
+    own_tree: bool = False
+
+
+# targets refused: the sandbox's own /proc, /dev and /sys are not to be covered
+RESERVED_TARGETS = ("/proc", "/dev", "/sys")
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """a and b are the same path, or one is inside the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def check_mounts(mounts: Iterable[Mount] | None, workdir: str | os.PathLike) -> tuple[Mount, ...]:
+    """The mounts with host paths resolved and targets normalized, or UsageError (one line) saying why not.
+
+    Refused: a host path that does not exist or is neither a directory nor a regular file, the
+    host root, a host path containing the sandbox's working directory; a target that is not
+    absolute, has `..`, is `/`, is under /proc, /dev or /sys, overlaps the working directory, or
+    overlaps another mount's target.
+    """
+    out: list[Mount] = []
+    wd = os.path.realpath(workdir) if os.path.isabs(str(workdir)) and os.path.exists(workdir) else str(workdir)
+    for m in mounts or ():
+        if not isinstance(m, Mount):
+            raise UsageError(f"mount {m!r}: expected a Mount(host, target, read_only=True)")
+        where = f"mount {m.host} -> {m.target}"
+        if not os.path.exists(m.host):
+            raise UsageError(f"{where}: the host path does not exist")
+        host = os.path.realpath(m.host)
+        if not (os.path.isdir(host) or os.path.isfile(host)):
+            raise UsageError(f"{where}: the host path is neither a directory nor a regular file")
+        if host == "/":
+            raise UsageError(f"{where}: the host root cannot be mounted")
+        if host == wd or wd.startswith(host + "/"):
+            raise UsageError(f"{where}: the host path contains the sandbox's working directory")
+        t = str(m.target)
+        if not t.startswith("/") or ".." in t.split("/"):
+            raise UsageError(f"{where}: the target must be an absolute path without '..'")
+        t = posixpath.normpath(t)
+        if t.startswith("//"):
+            t = "/" + t.lstrip("/")
+        if t == "/" or any(_overlaps(t, r) for r in RESERVED_TARGETS):
+            raise UsageError(f"{where}: the target cannot be /, nor under {', '.join(RESERVED_TARGETS)}")
+        if _overlaps(t, wd):
+            raise UsageError(f"{where}: the target overlaps the sandbox's working directory {wd}")
+        for o in out:
+            if _overlaps(t, o.target):
+                raise UsageError(f"{where}: the target overlaps another mount's target {o.target}")
+        out.append(Mount(host, t, bool(m.read_only), bool(m.own_tree) and not m.read_only))
+    return tuple(out)
 
 
 @dataclass
@@ -72,8 +140,12 @@ class Sandbox(ABC):
         return self.isolation
 
     @abstractmethod
-    def run(self, command: str, timeout_s: float) -> ExecResult:
-        """Run `bash -c command` in the working directory; never raises for the command's faults."""
+    def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
+        """Run `bash -c command` in the working directory; never raises for the command's faults.
+
+        `mounts` are shown for this command only, on top of the sandbox's own (`open_sandbox(mounts=)`):
+        e.g. a verifier's tests, invisible to the agent's earlier commands. Bad mounts: UsageError.
+        """
 
     @abstractmethod
     def close(self) -> None:

@@ -6,6 +6,12 @@ no-new-privileges. The task directory is copied into /workdir; each command is a
 of `bash -c` there, wrapped in coreutils `timeout -s KILL` (the image must have bash and
 coreutils), with output capped while it streams. `close()` removes the container.
 
+Mounts: the sandbox's own (`open_sandbox(mounts=)`) are Docker bind mounts, fixed when the
+container starts. A running container cannot take new ones, so `run(mounts=)` copies each host
+path in (a fresh copy at the target, removed after the command) and, for a read-write one,
+copies the target back onto the host path afterwards; `read_only` is not enforced on those
+copies (the copy is thrown away, the host path is untouched).
+
 Not exercised on this project's machines (no Docker daemon); tests/sandbox skip with the reason.
 """
 
@@ -14,12 +20,15 @@ from __future__ import annotations
 import io
 import os
 import shlex
+import shutil
 import tarfile
+import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 
 from tsrl_cli.errors import UsageError
-from tsrl_cli.sandbox.base import ExecResult, Limits, Sandbox
+from tsrl_cli.sandbox.base import ExecResult, Limits, Mount, Sandbox, check_mounts
 
 WORKDIR = "/workdir"
 
@@ -42,8 +51,10 @@ def docker_unavailable_reason() -> str | None:
 class DockerSandbox(Sandbox):
     executor = "docker"
 
-    def __init__(self, task_dir: str | os.PathLike | None, *, image: str, limits: Limits | None = None):
+    def __init__(self, task_dir: str | os.PathLike | None, *, image: str, limits: Limits | None = None,
+                 mounts: Iterable[Mount] | None = None):
         self._closed = True
+        self.mounts = self._check_mounts(mounts)
         reason = docker_unavailable_reason()
         if reason:
             raise UsageError(f"docker executor: {reason}")
@@ -66,6 +77,7 @@ class DockerSandbox(Sandbox):
                      docker.types.Ulimit(name="core", soft=0, hard=0)],
             cap_drop=["ALL"], security_opt=["no-new-privileges"], init=True,
             environment={"HOME": WORKDIR, "LANG": "C.UTF-8", "TERM": "dumb"},
+            volumes=[f"{m.host}:{m.target}:{'ro' if m.read_only else 'rw'}" for m in self.mounts],
         )
         self._closed = False
         self._container.exec_run(["mkdir", "-p", WORKDIR])
@@ -83,9 +95,64 @@ class DockerSandbox(Sandbox):
     def isolation_summary(self) -> str:
         return f"docker: image {self.image}, no network, caps dropped, memory/pids cgroup caps"
 
-    def run(self, command: str, timeout_s: float) -> ExecResult:
+    def _check_mounts(self, mounts: Iterable[Mount] | None, base: Iterable[Mount] = ()) -> tuple[Mount, ...]:
+        checked = check_mounts([*base, *(mounts or ())], WORKDIR)
+        for m in checked:
+            if ":" in m.host or ":" in m.target:
+                raise UsageError(f"mount {m.host} -> {m.target}: docker mounts cannot have ':' in their paths")
+        return checked
+
+    def _copy_in(self, m: Mount) -> None:
+        """A fresh copy of the host path at the target (whatever the command left there is removed first)."""
+        t = shlex.quote(m.target)
+        parent = os.path.dirname(m.target)
+        self._container.exec_run(["sh", "-c", f"rm -rf {t} && mkdir -p {shlex.quote(parent)}"], user="0")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(m.host, arcname=os.path.basename(m.target))
+        if not self._container.put_archive(parent, buf.getvalue()):
+            raise UsageError(f"mount {m.host} -> {m.target}: docker could not copy it into the container")
+
+    def _copy_out(self, m: Mount) -> None:
+        """The target's contents back onto the host path (read-write mounts), then the target removed."""
+        try:
+            if not m.read_only:
+                self._copy_back(m)
+        finally:
+            self._container.exec_run(["rm", "-rf", m.target], user="0")
+
+    def _copy_back(self, m: Mount) -> None:
+        try:
+            stream, _ = self._container.get_archive(m.target)
+            with tempfile.TemporaryDirectory() as tmp:
+                with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                    tar.extractall(tmp, filter="data")  # no absolute paths, links out, devices
+                got = os.path.join(tmp, os.path.basename(m.target))
+                if os.path.isdir(got) and os.path.isdir(m.host):
+                    shutil.copytree(got, m.host, symlinks=True, dirs_exist_ok=True)
+                elif os.path.isfile(got) and os.path.isfile(m.host):
+                    shutil.copyfile(got, m.host)
+        except Exception:  # noqa: BLE001, S110  e.g. a link out of the target: nothing (more) is copied back
+            pass
+
+    def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
         if self._closed:
             return ExecResult("", "sandbox is closed", 126, 0.0)
+        extra = list(mounts or ())
+        if not extra:
+            return self._run(command, timeout_s)
+        extra = list(self._check_mounts(extra, self.mounts)[len(self.mounts):])
+        done: list[Mount] = []
+        try:
+            for m in extra:
+                done.append(m)
+                self._copy_in(m)
+            return self._run(command, timeout_s)
+        finally:
+            for m in done:
+                self._copy_out(m)
+
+    def _run(self, command: str, timeout_s: float) -> ExecResult:
         lim = self.limits
         # timeout puts itself and the command in a new process group whose id is this shell's pid:
         # saved, so the whole group can be killed (output cap, strays) without stopping the container

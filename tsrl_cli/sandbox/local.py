@@ -17,6 +17,18 @@ Isolation, best first (`isolation="auto"`):
 `ro_binds` (default: this interpreter's installation when a hidden directory covers it, as
 pyenv under /root does here) are shown read-only, so a verifier can run `sys.executable`.
 
+`mounts` (Mount(host, target, read_only=True); per sandbox, and per command with
+`run(..., mounts=)`) show host paths at chosen targets, e.g. a Harbor verifier's /tests
+(read-only) and /logs/verifier (read-write). The host is never changed to make a mount point:
+a target missing from the host gets one in a tmpfs that replaces its deepest existing ancestor,
+holding read-only binds of that ancestor's entries (for /tests, the root itself is rebuilt this
+way: bwrap binds the host's top-level entries onto its own root; unshare builds the same on a
+tmpfs and chroots into it). That tmpfs is then made read-only. A read-write mount must be
+writable by the command's uid: as root, its host path (not its contents) is chowned to the
+sandbox uid for the mount's lifetime, then given back, with what the command created inside
+chowned to the path's owner (set-id bits dropped). A host directory must not be mounted
+read-write by two sandboxes at once. `none` isolation refuses mounts.
+
 What is enforced, measured on this project's machine (root, kernel 6.18, cgroup v1, bwrap 0.8):
 
 - wall clock: enforced everywhere. At the timeout the whole tree dies: the process group,
@@ -51,18 +63,22 @@ import selectors
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox._cgroup import Cgroup
 from tsrl_cli.sandbox.base import (
     ExecResult,
     IsolationError,
     Limits,
+    Mount,
     Sandbox,
+    check_mounts,
     chown_tree,
     copy_task_dir,
     remove_tree,
@@ -104,6 +120,106 @@ def _fresh_uid() -> int:
     while (uid := random.randrange(200_000, 1_200_000)) in used:
         pass
     return uid
+
+
+def _hidden_parent(path: str) -> str | None:
+    """The hidden directory (a fresh tmpfs in the sandbox) that path is or lies under, if any."""
+    return next((d for d in HIDDEN_DIRS if path == d or path.startswith(d + "/")), None)
+
+
+def mount_layout(mounts: Sequence[Mount]) -> tuple[list[str], list[str]]:
+    """Where each mount's target gets its mount point: (splices, dirs).
+
+    The host root is read-only in the sandbox, so a target missing on the host (/tests) needs a
+    writable layer: its deepest existing ancestor A is "spliced", rebuilt as a tmpfs holding
+    read-only binds of A's entries (A = "/" rebuilds the root). `dirs` are the directories to make
+    then (parents of the targets, and directory targets). The host itself is never changed.
+    UsageError where a target goes through a symlink, or its kind (file/directory) does not match.
+    """
+    splices: set[str] = set()
+    dirs: list[str] = []
+    for m in mounts:
+        t, host_is_dir = m.target, os.path.isdir(m.host)
+        hidden = _hidden_parent(t)
+        if hidden is not None:  # an empty tmpfs in the sandbox: just make the path
+            chain = []
+            a = t
+            while a != hidden:
+                chain.append(a)
+                a = os.path.dirname(a)
+        else:
+            chain = []
+            a = t
+            while not os.path.lexists(a):
+                chain.append(a)
+                a = os.path.dirname(a)
+            if os.path.islink(a) or os.path.realpath(a) != a:
+                raise UsageError(f"mount {m.host} -> {t}: the target must not go through a symlink ({a})")
+            if a == t:
+                if os.path.isdir(t) != host_is_dir:
+                    raise UsageError(f"mount {m.host} -> {t}: the target exists and is not a "
+                                     f"{'directory' if host_is_dir else 'file'} like the host path")
+                continue
+            if not os.path.isdir(a):
+                raise UsageError(f"mount {m.host} -> {t}: {a} is not a directory")
+            splices.add(a)
+        chain.reverse()
+        dirs += chain if host_is_dir else chain[:-1]
+    return sorted(splices, key=lambda p: (p.count("/"), p) if p != "/" else (0, "")), dirs
+
+
+def _entries(d: str) -> list[tuple[str, str | None]]:
+    """(path, symlink target or None) for each entry of host directory d."""
+    out = []
+    for name in sorted(os.listdir(d)):
+        p = os.path.join(d, name)
+        out.append((p, os.readlink(p) if os.path.islink(p) else None))
+    return out
+
+
+class _Owned:
+    """Read-write mounts made writable by the sandbox's uid for their lifetime, then given back.
+
+    The host path itself is chowned to the uid (not its contents: existing files keep their
+    owner and mode). On release its owner comes back, and whatever the uid created inside
+    (found without following symlinks) is chowned to that owner too, set-id bits dropped.
+    """
+
+    def __init__(self, mounts: Sequence[Mount], uid: int | None):
+        self.uid, self.saved = uid, []
+        if uid is None:
+            return
+        try:
+            for m in mounts:
+                if not m.read_only:
+                    st = os.stat(m.host)
+                    try:
+                        if m.own_tree and os.path.isdir(m.host):
+                            chown_tree(Path(m.host), uid, uid)  # given back by release(): all uid-owned
+                        else:
+                            os.chown(m.host, uid, uid)
+                    except OSError as e:
+                        raise UsageError(f"mount {m.host} -> {m.target}: cannot hand it to the sandbox uid: {e}") from e
+                    self.saved.append((m.host, st.st_uid, st.st_gid))
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        saved, self.saved = self.saved, []
+        for host, uid, gid in saved:
+            try:
+                os.chown(host, uid, gid)
+                for dirpath, dirnames, filenames in os.walk(host) if os.path.isdir(host) else ():
+                    for name in dirnames + filenames:
+                        p = os.path.join(dirpath, name)
+                        st = os.lstat(p)
+                        if st.st_uid == self.uid:
+                            os.lchown(p, uid, gid)
+                            if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                                os.chmod(p, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+            except OSError:
+                pass
 
 
 def _is_root() -> bool:
@@ -158,8 +274,10 @@ class LocalSandbox(Sandbox):
         base_dir: str | None = None,
         sandbox_uid: int | None = None,
         ro_binds: Sequence[str] | None = None,
+        mounts: Iterable[Mount] | None = None,
     ):
         self._closed = True
+        self._owned = None
         self._isolation = choose_isolation(isolation, allow_unisolated)
         self.limits = limits or Limits()
         # host directories shown read-only even under a hidden path (at most 7: the unshare script's fds 3-9)
@@ -179,6 +297,13 @@ class LocalSandbox(Sandbox):
                     "USER": "sandbox", **(env or {})}
         if self._isolation != "none":
             self.env["TMPDIR"] = "/tmp"  # a private tmpfs
+        self.mounts: tuple[Mount, ...] = ()
+        try:  # the sandbox's own mounts, shown to every command (run(mounts=) adds more per command)
+            self.mounts = self._check_mounts(mounts)
+            self._owned = _Owned(self.mounts, self._uid)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def isolation(self) -> str:
@@ -221,10 +346,39 @@ class LocalSandbox(Sandbox):
         )
         return ["bash", "--noprofile", "--norc", "-c", setup, "tsrl-sandbox", command]
 
-    def _bwrap(self) -> list[str]:
+    def _check_mounts(self, mounts: Iterable[Mount] | None, base: Sequence[Mount] = ()) -> tuple[Mount, ...]:
+        """base + mounts, validated (UsageError); `none` isolation refuses any."""
+        mounts = list(mounts or ())
+        if mounts and self._isolation == "none":
+            raise UsageError("mounts need sandbox isolation (bwrap or unshare): with isolation 'none' "
+                             "commands see the host's own filesystem")
+        checked = check_mounts([*base, *mounts], self.workdir)
+        for m in checked:
+            for p in self.ro_binds:
+                if m.target == p or m.target.startswith(p + "/") or p.startswith(m.target + "/"):
+                    raise UsageError(f"mount {m.host} -> {m.target}: the target overlaps ro_binds {p}")
+        mount_layout(checked)  # refuses symlinked targets and kind mismatches now, not at run time
+        return checked
+
+    @staticmethod
+    def _bwrap_entries(d: str, skip: tuple[str, ...] = ()) -> list[str]:
+        out = []
+        for p, link in _entries(d):
+            if p not in skip:
+                out += ["--symlink", link, p] if link is not None else ["--ro-bind", p, p]
+        return out
+
+    def _bwrap(self, mounts: Sequence[Mount] = ()) -> list[str]:
         wd = str(self.workdir)
-        cmd = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--perms", "01777", "--tmpfs", "/dev/shm",
-               "--proc", "/proc"]
+        splices, dirs = mount_layout(mounts)
+        if "/" in splices:  # a target missing at the top (/tests): the root is a tmpfs of read-only binds
+            cmd = ["bwrap", *self._bwrap_entries("/", skip=("/proc", "/dev"))]
+        else:
+            cmd = ["bwrap", "--ro-bind", "/", "/"]
+        cmd += ["--dev", "/dev", "--perms", "01777", "--tmpfs", "/dev/shm", "--proc", "/proc"]
+        for a in splices:  # before the hidden paths, which then cover what the splices show again
+            if a != "/":
+                cmd += ["--perms", "0755", "--tmpfs", a, *self._bwrap_entries(a)]
         for d in HIDDEN_DIRS:
             if os.path.isdir(d):  # world-writable and sticky like the real ones (root's bwrap makes 0755)
                 cmd += ["--perms", "01777" if d in ("/tmp", "/var/tmp") else "0755", "--tmpfs", d]
@@ -237,7 +391,14 @@ class LocalSandbox(Sandbox):
                 if any(a.startswith(h + "/") for h in HIDDEN_DIRS):
                     cmd += ["--perms", "0755", "--dir", a]
             cmd += ["--ro-bind", p, p]
-        cmd += ["--bind", wd, wd, "--chdir", wd, "--unshare-pid", "--unshare-net", "--unshare-ipc",
+        cmd += ["--bind", wd, wd]
+        for d in dirs:
+            cmd += ["--perms", "0755", "--dir", d]
+        for m in mounts:
+            cmd += ["--ro-bind" if m.read_only else "--bind", m.host, m.target]
+        for a in splices:
+            cmd += ["--remount-ro", a]
+        cmd += ["--chdir", wd, "--unshare-pid", "--unshare-net", "--unshare-ipc",
                 "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
         if self._uid is None:  # a user: unprivileged bwrap, in a user namespace, no capabilities
             return [*cmd, "--unshare-user", "--cap-drop", "ALL"]
@@ -249,36 +410,95 @@ class LocalSandbox(Sandbox):
         return ["setpriv", f"--reuid={self._uid}", f"--regid={self._uid}", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--no-new-privs"]
 
-    def _unshare_script(self) -> str:
-        """Runs as root in fresh mount/pid/net namespaces: remount read-only, then drop to the uid."""
+    def _unshare_script(self, mounts: Sequence[Mount] = ()) -> str:
+        """Runs as root (bash) in fresh mount/pid/net namespaces: remount read-only, then drop to the uid.
+
+        Mounts: their host paths are opened first (fds 10.., read through /proc/$P/fd as the cwd
+        keeps the workdir). A target missing at the top (/tests) needs a new root: a tmpfs over
+        /tmp holding binds of the host's top-level entries, entered with chroot; the rest of the
+        script then runs there. Other missing targets splice their parent in place (a tmpfs with
+        binds of its entries, read through a handle on the original).
+        """
         q = shlex.quote
         wd = q(str(self.workdir))
+        splices, dirs = mount_layout(mounts)
+        new_root = "/" in splices
         hide_dirs = " ".join(q(d) for d in (*HIDDEN_DIRS, "/dev/shm") if os.path.isdir(d))  # bwrap's --dev has its own shm
         hide_files = " ".join(q(f) for f in HIDDEN_FILES if os.path.exists(f))
         keep = "".join(f"exec {3 + i}<{q(p)}; " for i, p in enumerate(self.ro_binds))  # handles, like the cwd
         show = "".join(f"mkdir -p {q(p)}; mount -c --bind /proc/self/fd/{3 + i} {q(p)}; "
                        f"mount -o remount,bind,ro {q(p)}; " for i, p in enumerate(self.ro_binds))
-        return (
-            "set -e; mount --make-rprivate /; cd " + wd + "; " + keep +
+        sources = "".join(f"exec {10 + i}<{q(m.host)}; " for i, m in enumerate(mounts))
+
+        def rebind(src_dir: str, entries_of: str, dest: str, empty: tuple[str, ...] = ()) -> str:
+            """Binds (symlinks) of host directory entries_of's entries, read under src_dir (shell text), made under dest."""
+            out = ""
+            for p, link in _entries(entries_of):
+                name = os.path.basename(p)
+                s_, d_ = f"{src_dir}/{q(name)}", q(f"{dest.rstrip('/')}/{name}")
+                if p in empty:
+                    out += f"mkdir {d_}; "
+                elif link is not None:
+                    out += f"ln -s {q(link)} {d_}; "
+                elif os.path.isdir(p):
+                    out += f"mkdir {d_}; mount -c --rbind {s_} {d_}; "
+                else:
+                    out += f"touch {d_}; mount -c --bind {s_} {d_}; "
+            return out
+
+        inner = [a for a in splices if a != "/"]
+        fd0 = 10 + len(mounts)
+        splice = "".join(
+            f"exec {fd0 + j}<{q(a)}; mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs {q(a)}; "
+            + rebind(f"/proc/$$/fd/{fd0 + j}", a, a) for j, a in enumerate(inner))
+        # made after the read-only pass, except those on a new root (made before it, below)
+        late_dirs = [d for d in dirs if not new_root or any(d.startswith(a.rstrip("/") + "/") for a in inner)
+                     or _hidden_parent(d)]
+        early = [d for d in dirs if d not in late_dirs]
+        early_files = [m.target for m in mounts if not os.path.isdir(m.host) and not os.path.lexists(m.target)
+                       and new_root and os.path.dirname(m.target) in ("/", *early)]
+        make = "".join(f"mkdir -p {q(d)}; " for d in late_dirs)
+        make += "".join(f"[ -e {q(m.target)} ] || touch {q(m.target)}; " for m in mounts
+                        if not os.path.isdir(m.host) and m.target not in early_files)
+        closing = "".join(f"exec {fd}<&-; " for fd in (*range(3, 3 + len(self.ro_binds)),
+                                                       *range(10, fd0 + len(inner))))
+        binds = "".join(f"mount -c --bind /proc/$P/fd/{10 + i} {q(m.target)}; "
+                        f"mount -o remount,bind,{'ro' if m.read_only else 'rw'} {q(m.target)}; "
+                        for i, m in enumerate(mounts))
+        body = (
+            keep +
             # every mount read-only (the cwd keeps a handle on the workdir while /tmp is covered)
             "for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do "
             'case "$m" in /proc|/proc/*) continue;; esac; mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
+            + splice +
             f"for d in {hide_dirs}; do mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs \"$d\"; done; "
             f"for f in {hide_files}; do mount --bind /dev/null \"$f\"; done; " + show +
             # -c: mount must not canonicalize ".", which now names the new empty directory
-            f"mkdir -p {wd}; mount -c --bind . {wd}; mount -o remount,bind,rw {wd}; cd {wd}; "
-            "ip link set lo up 2>/dev/null || true; set +e; "
+            f"mkdir -p {wd}; mount -c --bind . {wd}; mount -o remount,bind,rw {wd}; " + make + binds
+            + "".join(f"mount -o remount,ro {q(a)}; " for a in inner) +
+            f"cd {wd}; ip link set lo up 2>/dev/null || true; {closing}set +e; "
             # not exec: pid 1 of a namespace ignores SIGXCPU, so the command must not be pid 1
             f'{shlex.join(self._drop_root())} "$@"; exit $?'
         )
+        head = "set -e; mount --make-rprivate /; cd " + wd + "; P=$$; " + sources
+        if not new_root:
+            return head + body
+        stage = "/tmp"  # covered by a tmpfs that becomes the root; /tmp is hidden in the sandbox anyway
+        build = (f"mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs {stage}; "
+                 + rebind("", "/", stage, empty=(stage,))
+                 + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
+                 + "".join(f"touch {q(stage + t)}; " for t in early_files))
+        body2 = 'set -e; P=$1; shift; cd -P "/proc/$P/cwd"; ' + body
+        return head + build + f"cd /; set +e; chroot {stage} /bin/bash -c {q(body2)} tsrl-unshare \"$P\" \"$@\"; exit $?"
 
-    def _argv(self, command: str) -> list[str]:
+    def _argv(self, command: str, mounts: Sequence[Mount] = ()) -> list[str]:
         inner = self._limited_bash(command)
         if self._isolation == "bwrap":
-            argv = [*self._bwrap(), *inner]
+            argv = [*self._bwrap(mounts), *inner]
         elif self._isolation == "unshare":
             argv = ["unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-                    "--mount-proc", "sh", "-c", self._unshare_script(), "tsrl-unshare", *inner]
+                    "--mount-proc", "bash", "--noprofile", "--norc", "-c", self._unshare_script(mounts),
+                    "tsrl-unshare", *inner]
         else:
             argv = inner
         procs = self._cgroup.procs_files
@@ -289,14 +509,23 @@ class LocalSandbox(Sandbox):
 
     # -- running ----------------------------------------------------------------------------------
 
-    def run(self, command: str, timeout_s: float) -> ExecResult:
+    def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
         if self._closed:
             return ExecResult("", "sandbox is closed", 126, 0.0)
+        extra = list(mounts or ())
+        all_mounts = self._check_mounts(extra, self.mounts) if extra else self.mounts
+        owned = _Owned(all_mounts[len(self.mounts):], self._uid)  # per-run read-write mounts: this run only
+        try:
+            return self._run(command, timeout_s, all_mounts)
+        finally:
+            owned.release()
+
+    def _run(self, command: str, timeout_s: float, mounts: Sequence[Mount]) -> ExecResult:
         before = self._cgroup.counters()
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
-                self._argv(command), cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
+                self._argv(command, mounts), cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
             )
         except OSError as e:
@@ -403,5 +632,7 @@ class LocalSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        if self._owned is not None:
+            self._owned.release()
         self._cgroup.remove()
         remove_tree(self.workdir)
