@@ -120,7 +120,12 @@ def test_latency_trace_file(tmp_path):
 
 def test_concurrent_sessions_are_batched(tok):
     """Eight sessions whose tools sleep: the engine sees batches of several requests."""
-    engine = ScriptedEngine(tok, lambda ctx, k: ["```bash\nls\n```", "```bash\nsubmit\n```"][k])
+    class SlowScripted(ScriptedEngine):  # a busy engine: requests that arrive meanwhile must queue up
+        def generate(self, requests):
+            time.sleep(0.05)
+            return super().generate(requests)
+
+    engine = SlowScripted(tok, lambda ctx, k: ["```bash\nls\n```", "```bash\nsubmit\n```"][k])
     batcher = TurnBatcher(engine, max_batch=8)
 
     async def main():

@@ -466,7 +466,6 @@ class LocalSandbox(Sandbox):
                         f"mount -o remount,bind,{'ro' if m.read_only else 'rw'} {q(m.target)}; "
                         for i, m in enumerate(mounts))
         body = (
-            keep +
             # every mount read-only (the cwd keeps a handle on the workdir while /tmp is covered)
             "for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do "
             'case "$m" in /proc|/proc/*) continue;; esac; mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
@@ -480,7 +479,9 @@ class LocalSandbox(Sandbox):
             # not exec: pid 1 of a namespace ignores SIGXCPU, so the command must not be pid 1
             f'{shlex.join(self._drop_root())} "$@"; exit $?'
         )
-        head = "set -e; mount --make-rprivate /; cd " + wd + "; P=$$; " + sources
+        # ro_binds and mount sources are opened here, before a new root (chroot into a tmpfs over
+        # /tmp) could hide them: an interpreter or venv living under /tmp stays reachable by its fd
+        head = "set -e; mount --make-rprivate /; cd " + wd + "; P=$$; " + keep + sources
         if not new_root:
             return head + body
         stage = "/tmp"  # covered by a tmpfs that becomes the root; /tmp is hidden in the sandbox anyway
