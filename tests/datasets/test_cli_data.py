@@ -38,11 +38,6 @@ def test_each_source_converts_and_checks(fixtures, source, folder, written):
     assert show.exit_code == 0 and json.loads(show.stdout)["num_tasks"] == written
 
 
-def test_embedded_says_it_does_not_exist_yet():
-    res = run("prepare-data", "embedded")
-    assert res.exit_code == 2 and "embedded task suite does not exist yet" in res.stderr
-
-
 def test_json_is_one_document(fixtures):
     res = run("prepare-data", "swe-smith", "--from", fixtures / "swe_smith", "--json", "--language", "go")
     assert res.exit_code == 0

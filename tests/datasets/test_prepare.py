@@ -221,7 +221,6 @@ def test_hub_without_datasets_package(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("source,origin,msg", [
-    ("embedded", "hub", "embedded task suite does not exist yet"),
     ("terminal-bench", "hub", "has no Hugging Face dataset"),
     ("swe-bench", "hub", "unknown source"),
     ("seta-env", "README.md", "pass a folder"),

@@ -41,6 +41,7 @@ def prepare_data(
     eval_set: Annotated[list[str] | None, typer.Option(help="Prepared evaluation set to keep out of a training set (repeatable). Default: every evaluation set prepared next to --out.")] = None,
     keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set uses (evaluation instances are always dropped).")] = False,
     on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: skip (count it) or fail (exit 2). Default: fail for evaluation sets, skip for training sets.")] = None,
+    seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a public task set (hub or local files) into tsrl task records with a manifest.
@@ -49,6 +50,8 @@ def prepare_data(
     """
     from tsrl_cli.console import console, progress_printer
 
+    if source == "embedded":
+        return _prepare_embedded(out or "data", seed, json_out)
     try:
         from tsrl_cli.datasets.prepare import PrepareOptions, prepare
 
@@ -65,6 +68,25 @@ def prepare_data(
         typer.echo(json.dumps(res))
     else:
         _render_prepare(console, res)
+
+
+def _prepare_embedded(out_root: str, seed: int, json_out: bool) -> None:
+    """Build the shipped suite and prepare its four datasets (see tsrl_cli/embedded/prepare.py)."""
+    from tsrl_cli.console import console, progress_printer
+
+    try:
+        from tsrl_cli.embedded.prepare import prepare_embedded
+
+        res = prepare_embedded(out_root, seed, progress=progress_printer(not json_out))
+    except UsageError as e:
+        raise _fail(e) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+        return
+    for name, r in res.items():
+        if isinstance(r, dict):
+            _render_prepare(console, r)
+    console.print(f"embedded suite built and prepared in {res['seconds']} s", highlight=False)
 
 
 def _render_prepare(console, res: dict) -> None:

@@ -55,6 +55,8 @@ def _record_problems(t, m: dict, d: Path) -> list[str]:
             out.append("fail_to_pass: empty")
         if not (t.gold_patch or t.bug_patch):
             out.append("no gold_patch and no bug_patch")
+        if t.start_dir and not (d / t.start_dir).is_dir():
+            out.append(f"{t.start_dir}: missing")
         return out
     if not t.instruction.strip():
         out.append("instruction: empty")

@@ -111,10 +111,13 @@ def prepare(opts: PrepareOptions, progress: Callable[[str], None] = lambda msg: 
     filters = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(opts).items()
                if k not in ("source", "origin", "out")}
     filters.update(on_error=on_error, dedupe=dedupe)
-    # the content hash covers the records (task dirs through dir_sha256), every option and the sets
-    # compared against, so a re-prepared evaluation set refreshes the overlap report
+    # the content hash covers the records (task dirs through dir_sha256), every option and, for a
+    # training set, the evaluation sets it was separated from (a re-prepared evaluation set makes it
+    # stale). An evaluation set's report on training sets is informational and stays out of its
+    # hash: the two would otherwise depend on each other and never settle.
+    against = overlaps["set_sha256"] if src.role == "train" else []
     content = hashlib.sha256((records_sha256(tasks) + json.dumps(filters, sort_keys=True)
-                              + json.dumps(overlaps["set_sha256"])).encode()).hexdigest()
+                              + json.dumps(against)).encode()).hexdigest()
     result = {
         "out": str(out), "source": src.name, "kind": src.kind, "role": src.role, "split": src.split,
         "dataset_id": dataset_id, "source_revision": revision, "counts": counts, "written": len(tasks),
@@ -158,7 +161,11 @@ def _load_and_normalize(src: Source, origin: str, on_error: str, progress):
                 bad(where, None, row)
                 continue
             try:
-                tasks.append(src.normalize(row, src.split))
+                task = src.normalize(row, src.split)
+                tasks.append(task)
+                if task.start_dir and origin != "hub":  # a local start state, relative to the rows
+                    base = Path(origin) if Path(origin).is_dir() else Path(origin).parent
+                    dirs.setdefault(task.task_id, base / task.start_dir)
             except FieldError as e:
                 ident = row.get("instance_id")
                 bad(where, ident if isinstance(ident, str) else None, e)
@@ -288,10 +295,16 @@ def _write(out: Path, src: Source, tasks: list, dirs: dict, result: dict, progre
         fname = f"{src.split}.parquet"
         write_tasks(tmp / fname, tasks, src.kind)
         files = {fname: file_sha256(tmp / fname)}
-        if src.kind == "terminal":
-            for t in tasks:
-                shutil.copytree(dirs[t.task_id], tmp / t.task_dir, symlinks=True)
-            progress(f"copied {len(tasks)} task directories")
+        copied = 0
+        for t in tasks:  # terminal task folders; repair start states that live on disk
+            rel = t.task_dir if src.kind == "terminal" else t.start_dir
+            if rel and t.task_id in dirs:
+                if not Path(dirs[t.task_id]).is_dir():
+                    raise UsageError(f"task {t.task_id}: start folder {dirs[t.task_id]} does not exist")
+                shutil.copytree(dirs[t.task_id], tmp / rel, symlinks=True)
+                copied += 1
+        if copied:
+            progress(f"copied {copied} task directories")
         manifest = {
             "format": FORMAT, "file": fname, "files": files, "tsrl_version": __version__,
             "created_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

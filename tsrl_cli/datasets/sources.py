@@ -34,13 +34,36 @@ SOURCES = {
     # Terminal-Bench 2.x is published through Harbor's registry (git), not as a HF dataset
     "terminal-bench": Source("terminal-bench", "terminal", "eval", "test", None),
 }
-EMBEDDED_MISSING = ("the embedded task suite does not exist yet (it ships with the agent-rollouts work); "
-                    "prepare swe-smith, seta-env, swebench-verified or terminal-bench instead")
+
+
+def _embedded_row(row: dict, split: str, source: str):
+    """A RepairTask written by tsrl_cli.embedded (already normalized; `start_dir` next to the rows)."""
+    from dataclasses import fields
+
+    from tsrl_cli.datasets.records import FieldError, RepairTask
+
+    names = {f.name for f in fields(RepairTask)}
+    for k in ("task_id", "fail_to_pass", "pass_to_pass", "start_dir"):
+        if not row.get(k):
+            raise FieldError(k, "missing")
+    keep = {k: v for k, v in row.items() if k in names and k not in ("split", "source")}
+    return RepairTask(**keep, split=split, source=source)
+
+
+# The embedded suite (`tsrl prepare-data embedded` builds it and prepares these four from it)
+EMBEDDED = {
+    "embedded-repair-train": Source("embedded-repair-train", "repair", "train", "train", None,
+                                    lambda row, split: _embedded_row(row, split, "embedded-repair-train")),
+    "embedded-repair-heldout": Source("embedded-repair-heldout", "repair", "eval", "heldout", None,
+                                      lambda row, split: _embedded_row(row, split, "embedded-repair-heldout")),
+    "embedded-terminal-train": Source("embedded-terminal-train", "terminal", "train", "train", None),
+    "embedded-terminal-heldout": Source("embedded-terminal-heldout", "terminal", "eval", "heldout", None),
+}
 
 
 def get_source(name: str) -> Source:
-    if name == "embedded":
-        raise UsageError(EMBEDDED_MISSING)
+    if name in EMBEDDED:
+        return EMBEDDED[name]
     if name not in SOURCES:
         raise UsageError(f"unknown source {name!r}; choose one of {', '.join([*SOURCES, 'embedded'])}")
     return SOURCES[name]
@@ -53,7 +76,7 @@ Row = tuple[str, dict | FieldError]  # (where: file:line or "id row N", the row 
 
 def load_rows(src: Source, origin: str) -> tuple[Iterator[Row], str, str]:
     """(rows, dataset_id, revision) from the hub (`origin == "hub"`) or a local file or folder."""
-    hub_split = {"train": "train", "test": "test"}[src.split]
+    hub_split = {"train": "train", "test": "test"}.get(src.split, src.split)
     if origin == "hub":
         datasets = _import_hub("datasets")
         revision = _hub_revision(src.hub_id)

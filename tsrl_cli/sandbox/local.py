@@ -85,6 +85,9 @@ from tsrl_cli.sandbox.base import (
 )
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# `python` (and pytest) inside the sandbox is this interpreter's environment, shown read-only:
+# embedded repair tasks are pure Python verified with pytest, and the agent runs them the same way.
+TOOL_PATH = f"{os.path.dirname(sys.executable)}:{SAFE_PATH}"
 # Hidden in the sandbox even though the command no longer runs as root (defence in depth).
 HIDDEN_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
 HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/etc/ssh", "/etc/sudoers.d", "/run/secrets")
@@ -293,7 +296,7 @@ class LocalSandbox(Sandbox):
             chown_tree(self.workdir, self._uid, self._uid)
             os.chmod(self.workdir, 0o700)
         self._cgroup = Cgroup(pids_max=self.limits.processes + 8, memory_bytes=self.limits.memory_bytes)
-        self.env = {"PATH": SAFE_PATH, "HOME": str(self.workdir), "LANG": "C.UTF-8", "TERM": "dumb",
+        self.env = {"PATH": TOOL_PATH, "HOME": str(self.workdir), "LANG": "C.UTF-8", "TERM": "dumb",
                     "USER": "sandbox", **(env or {})}
         if self._isolation != "none":
             self.env["TMPDIR"] = "/tmp"  # a private tmpfs

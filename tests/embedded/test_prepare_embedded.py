@@ -1,0 +1,64 @@
+"""`tsrl prepare-data embedded` on a small slice of the suite: four prepared datasets, checked,
+kept apart, and usable by `tsrl env exec` exactly as the agent would use them."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from tsrl_cli.cli import app
+from tsrl_cli.datasets.check import check
+from tsrl_cli.embedded.prepare import EMBEDDED_SETS, prepare_embedded
+from tsrl_cli.envs.tasks import open_dataset, run_in_task
+
+needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
+                                     reason="no sandbox isolation (bubblewrap or unshare)")
+SMALL = dict(repos=["roman", "money"], max_per_repo=3, n_terminal_train=6, n_terminal_heldout=3)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return root, prepare_embedded(root, seed=0, **SMALL)
+
+
+def test_four_datasets_checked_and_separated(built):
+    root, res = built
+    for name in EMBEDDED_SETS:
+        assert check(str(root / name))["ok"], check(str(root / name))
+    _, _, train = open_dataset(str(root / "embedded_repair_train"))
+    _, _, held = open_dataset(str(root / "embedded_repair_heldout"))
+    assert {t.upstream_repo for t in train} == {"embedded/roman"}
+    assert {t.upstream_repo for t in held} == {"embedded/money"}
+    assert res["embedded_repair_train"]["overlaps"]["eval_sets"] == [str(root / "embedded_repair_heldout")]
+    assert not list(root.glob(".embedded-stage-*"))  # staging removed
+
+
+def test_rebuild_is_deterministic_and_a_no_op(built):
+    root, first = built
+    again = prepare_embedded(root, seed=0, **SMALL)
+    for name in EMBEDDED_SETS:
+        assert again[name]["unchanged"] and again[name]["content_sha256"] == first[name]["content_sha256"]
+
+
+@needs_isolation
+def test_env_exec_runs_the_failing_tests(built):
+    root, _ = built
+    _, _, tasks = open_dataset(str(root / "embedded_repair_train"))
+    t = tasks[0]
+    res, _, _ = run_in_task(t.task_id, str(root / "embedded_repair_train"), "python -m pytest -q -p no:cacheprovider", 60)
+    assert res.exit_code == 1
+    for test in t.fail_to_pass:
+        assert f"FAILED {test}" in res.stdout
+
+
+def test_cli_embedded_json(tmp_path, monkeypatch):
+    import tsrl_cli.embedded.prepare as ep
+
+    real = ep.prepare_embedded
+    monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress: real(root, seed, progress, **SMALL))
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert set(EMBEDDED_SETS) <= set(doc) and doc["embedded_terminal_train"]["written"] == 6
