@@ -18,7 +18,7 @@ import pytest
 
 from tsrl_cli.sandbox import IsolationError, Limits, open_sandbox
 from tsrl_cli.sandbox import local as local_mod
-from tsrl_cli.sandbox.local import SAFE_PATH, LocalSandbox, choose_isolation
+from tsrl_cli.sandbox.local import TOOL_PATH, LocalSandbox, choose_isolation
 
 SMALL = Limits(cpu_time_s=2, memory_bytes=512 << 20, processes=64, file_size_bytes=1 << 20,
                output_bytes=64 << 10, output_kill_bytes=1 << 20)
@@ -181,7 +181,7 @@ def test_environment_is_scrubbed(sb, monkeypatch):
     r = sb.run("env", 10)
     env = dict(line.split("=", 1) for line in r.stdout.splitlines() if "=" in line)
     assert "TSRL_TEST_SECRET" not in env and "s3cret" not in r.stdout
-    assert env["PATH"] == SAFE_PATH and env["HOME"] == str(sb.workdir) and env["LANG"] == "C.UTF-8"
+    assert env["PATH"] == TOOL_PATH and env["HOME"] == str(sb.workdir) and env["LANG"] == "C.UTF-8"
 
 
 def test_private_files_are_invisible(sb):
