@@ -5,6 +5,7 @@ Progress is shown only on a TTY and never in --json mode, so `--json` output is 
 
 from __future__ import annotations
 
+import re
 import sys
 
 from rich.console import Console
@@ -12,12 +13,46 @@ from rich.console import Console
 console = Console()
 err_console = Console(stderr=True)
 
+_FRACTION = re.compile(r"(\d+)/(\d+)")
+
 
 def progress_printer(enabled: bool):
-    """A callback for library code: one dim line on stderr per step, or nothing."""
+    """A callback for library code (`progress(msg)`): a dim line per step on stderr.
+
+    On a TTY, a message carrying a count "N/M" drives a progress bar instead (one bar per message
+    shape, e.g. "validated 30/150 tasks"), so long builds show how far they are.
+    """
     if not enabled:
         return lambda msg: None
-    return lambda msg: err_console.print(f"[dim]· {msg}[/dim]", highlight=False)
+    if not err_console.is_terminal:
+        return lambda msg: err_console.print(f"[dim]· {msg}[/dim]", highlight=False)
+    return _BarPrinter()
+
+
+class _BarPrinter:
+    def __init__(self):
+        self._progress = None
+        self._tasks: dict[str, int] = {}
+
+    def __call__(self, msg: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        m = _FRACTION.search(msg)
+        if m is None or int(m.group(2)) == 0:
+            (self._progress.console if self._progress else err_console).print(f"[dim]· {msg}[/dim]", highlight=False)
+            return
+        done, total = int(m.group(1)), int(m.group(2))
+        key = _FRACTION.sub("#", re.sub(r"\(\d+ s\)", "", msg))
+        if self._progress is None:
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), console=err_console, transient=False)
+            self._progress.start()
+        if key not in self._tasks:
+            self._tasks[key] = self._progress.add_task(key.replace("#", "").strip(), total=total)
+        self._progress.update(self._tasks[key], completed=min(done, total), total=total)
+        if all(t.finished for t in self._progress.tasks):
+            self._progress.stop()
+            self._progress, self._tasks = None, {}
 
 
 def stderr_is_tty() -> bool:

@@ -484,8 +484,9 @@ def build_repair_suite(out_dir: Path, seed: int = 0, progress: Callable[[str], N
                 if r is not None and len(kept[name]) < max_per_repo and per_fn.get(m.function, 0) < max_per_function:
                     kept[name].append((m, r))
             tested += len(wave)
-            progress(f"tested {tested} candidate bugs, kept {sum(map(len, kept.values()))} "
-                     f"({time.monotonic() - t0:.0f} s)")
+            # "kept K/T": T is the most tasks the caps allow, so a TTY shows a bar
+            progress(f"repair tasks kept {sum(map(len, kept.values()))}/{max_per_repo * len(names)} "
+                     f"(tested {tested} candidate bugs, {time.monotonic() - t0:.0f} s)")
 
     repair_root = out_dir / "repair"
     if repair_root.exists():
