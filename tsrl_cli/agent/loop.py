@@ -76,6 +76,12 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n // 2] + f"\n[... {len(text) - n} characters cut ...]\n" + text[-n // 2:]
 
 
+def observation_text(output: str, exit_code: int | None, limit: str | None, max_chars: int) -> str:
+    """What the model sees after a tool call: exit code, the limit that fired, the clipped output."""
+    head = f"[exit code {exit_code}]" + (f" [limit: {limit}]" if limit else "")
+    return f"{head}\n{_clip(output, max_chars)}"
+
+
 async def run_agent(
     env: AgentEnv,
     generate: Callable[[TurnRequest], Awaitable[TurnOutput]],
@@ -146,8 +152,7 @@ async def run_agent(
             if res.exit_code == 0 and submitted_by_output(res.output):
                 exit_reason = "submitted"
                 break
-            head = f"[exit code {res.exit_code}]" + (f" [limit: {res.limit}]" if res.limit else "")
-            observation = f"{head}\n{_clip(res.output, limits.max_observation_chars)}"
+            observation = observation_text(res.output, res.exit_code, res.limit, limits.max_observation_chars)
         traj.append(renderer.observation(observation), 0)
     try:
         reward = await env.reward()
