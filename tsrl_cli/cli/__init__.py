@@ -14,6 +14,7 @@ import typer
 from tsrl_cli import __version__
 from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.env import env_app
+from tsrl_cli.cli.policy import policy_app
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ app.command(
 )(prepare_data)
 app.add_typer(data_app, name="data")
 app.add_typer(env_app, name="env")
+app.add_typer(policy_app, name="policy")
 
 
 def _version(value: bool):

@@ -1,0 +1,61 @@
+"""`tsrl policy probe`: sample a policy on tasks through the real agent loop and sandboxes."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from tsrl_cli.errors import UsageError
+
+policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and trajectory statistics.",
+                         no_args_is_help=True, add_completion=False)
+
+
+@policy_app.command(
+    "probe",
+    epilog="Examples:  tsrl policy probe --model ./policy --tasks embedded_repair_train --samples 8  ·  "
+           "tsrl policy probe --model ./policy --tasks embedded_terminal_heldout --limit 10 --json",
+)
+def probe(
+    *,
+    model: Annotated[str, typer.Option(help="Policy directory (model + ChatML tokenizer, as save_pretrained writes).")],
+    tasks: Annotated[list[str], typer.Option(help="Prepared dataset(s) to sample on (repeatable), e.g. embedded_repair_train.")],
+    samples: Annotated[int, typer.Option(help="Samples per task (a GRPO group).")] = 8,
+    limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed (per request seeds derive from it).")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+) -> None:
+    """Print success rate, reward variance per group, turns, tokens, tool time and duration spread."""
+    from pathlib import Path
+
+    from tsrl_cli.console import console, err_console, progress_printer
+
+    try:
+        if samples < 1:
+            raise UsageError("--samples must be >= 1")
+        if not (Path(model) / "config.json").is_file():
+            raise UsageError(f"--model {model}: not a policy directory (no config.json); the embedded default "
+                             "policy is not built yet (issue 4)")
+        from tsrl_cli.embedded.demos import dataset_tasks
+        from tsrl_cli.embedded.sft import load_policy, probe_policy
+
+        pairs = [p for name in tasks for p in dataset_tasks(name, limit)]
+        m, tok = load_policy(model)
+        show = progress_printer(not json_out)
+        res = probe_policy(m, tok, pairs, samples=samples, temperature=temperature, seed=seed,
+                           progress=lambda done, total: show(f"trajectories {done}/{total}"))
+    except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    # per-trajectory records stay in --json (without their decoded text); the summary is printed
+    per_traj = [{k: v for k, v in r.items() if k != "text"} for r in res.pop("results", [])]
+    if json_out:
+        res["results"] = per_traj
+        typer.echo(json.dumps(res, default=str))
+        return
+    console.print(f"[bold]policy probe[/bold]: {model} on {', '.join(tasks)} ({samples} samples per task, T={temperature})",
+                  highlight=False, soft_wrap=True)
+    console.print_json(json.dumps(res, default=str))
