@@ -17,7 +17,7 @@ BUILTIN = "builtin:tiny"
 BUILTIN_TEACHER = "builtin:tiny-teacher"
 
 
-def tiny_qwen3_config(vocab_size: int = 128, hidden: int = 64, layers: int = 2):
+def tiny_qwen3_config(vocab_size: int = 128, hidden: int = 64, layers: int = 2, max_positions: int = 512):
     """A Qwen3 architecture of ~0.1 M parameters: fast enough for tests, real enough to matter."""
     from transformers import Qwen3Config
 
@@ -29,7 +29,7 @@ def tiny_qwen3_config(vocab_size: int = 128, hidden: int = 64, layers: int = 2):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
     )

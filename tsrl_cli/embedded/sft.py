@@ -48,9 +48,7 @@ def policy_config(vocab_size: int, hidden: int = 256, layers: int = 4, max_posit
     """tsrl_cli.models.tiny_qwen3_config at policy size, with room for a whole trajectory."""
     from tsrl_cli.models import tiny_qwen3_config
 
-    cfg = tiny_qwen3_config(vocab_size=vocab_size, hidden=hidden, layers=layers)
-    cfg.max_position_embeddings = max_positions
-    return cfg
+    return tiny_qwen3_config(vocab_size=vocab_size, hidden=hidden, layers=layers, max_positions=max_positions)
 
 
 def build_policy_model(vocab_size: int, hidden: int = 256, layers: int = 4, max_positions: int = 4096,
