@@ -37,3 +37,24 @@ def test_console_script_help():
     exe = shutil.which("tsrl") or str(__import__("pathlib").Path(sys.executable).with_name("tsrl"))
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and "verify" in out.stdout
+
+
+def test_round_engine_imports_no_cli_or_ui():
+    code = (
+        "import sys\n"
+        "import tsrl_cli.rl.train, tsrl_cli.rl.bench, tsrl_cli.config\n"
+        "print(sorted(m for m in ('typer', 'rich', 'tsrl_cli.cli') if m in sys.modules))"
+    )
+    assert _run(code) == "[]"
+
+
+def test_train_and_bench_help_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from tsrl_cli.cli import app\n"
+        "for args in (['train', '--help'], ['bench', 'speedup', '--help']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    assert _run(code) == "[]"

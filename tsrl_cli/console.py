@@ -49,7 +49,9 @@ class _BarPrinter:
             self._progress.start()
         if key not in self._tasks:
             self._tasks[key] = self._progress.add_task(key.replace("#", "").strip(), total=total)
-        self._progress.update(self._tasks[key], completed=min(done, total), total=total)
+        # the description follows the message, so running figures after the count (e.g. "resolved 3/5") stay current
+        desc = " ".join(_FRACTION.sub("", re.sub(r"\(\d+ s\)", "", msg), count=1).split())
+        self._progress.update(self._tasks[key], completed=min(done, total), total=total, description=desc)
         if all(t.finished for t in self._progress.tasks):
             self._progress.stop()
             self._progress, self._tasks = None, {}

@@ -57,7 +57,7 @@ def test_cli_embedded_json(tmp_path, monkeypatch):
     import tsrl_cli.embedded.prepare as ep
 
     real = ep.prepare_embedded
-    monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress: real(root, seed, progress, **SMALL))
+    monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress, **kw: real(root, seed, progress, **SMALL))
     res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)

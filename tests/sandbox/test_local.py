@@ -176,6 +176,13 @@ def test_exit_codes(sb):
     assert sb.run("no-such-command-xyz", 10).exit_code == 127
 
 
+def test_nul_byte_in_a_command_is_a_tool_error(sb):
+    """A model can emit a NUL byte; no argv can carry one: the tool answers, the run goes on."""
+    res = sb.run("echo a\x00b", 5)
+    assert res.exit_code == 126 and "NUL byte" in res.stderr
+    assert sb.run("echo ok", 5).stdout == "ok\n"
+
+
 def test_environment_is_scrubbed(sb, monkeypatch):
     monkeypatch.setenv("TSRL_TEST_SECRET", "s3cret")
     r = sb.run("env", 10)

@@ -96,8 +96,13 @@ async def run_agent(
     clock: Callable[[], float] = time.monotonic,
     on_event: Callable[[dict], None] | None = None,
     system_prompt: str = SYSTEM_PROMPT,
+    on_turn: Callable[[TokenTrajectory, int], None] | None = None,
 ) -> AgentResult:
-    """Run one trajectory. `seed_key` (round, task, sample...) makes every turn's seed unique and stable."""
+    """Run one trajectory. `seed_key` (round, task, sample...) makes every turn's seed unique and stable.
+
+    `on_turn(traj, k)` is called at each turn close with the live token trajectory (its last span
+    is turn k): what a per-turn consumer (the OPD teacher) needs. Copy what you keep; it grows.
+    """
     events: list[dict] = []
 
     def emit(kind: str, **kw) -> None:
@@ -131,6 +136,8 @@ async def run_agent(
         traj.turn_spans.append(span)
         emit("turn_close", turn=turn, span=list(span), tokens=len(out.token_ids), finish_reason=out.finish_reason,
              policy_version=out.policy_version)
+        if on_turn is not None:
+            on_turn(traj, turn)
         if out.finish_reason != "stop":  # cut by max_tokens: close the turn for the template (not trained on)
             traj.append([renderer.im_end], 0)
         action = parse_action(renderer.decode(out.token_ids))

@@ -12,9 +12,14 @@ import sys
 import typer
 
 from tsrl_cli import __version__
+from tsrl_cli.cli.bench import bench_app
 from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.env import env_app
+from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
+from tsrl_cli.cli.train import TRAIN_EPILOG, train
+from tsrl_cli.cli.predict import predict
+from tsrl_cli.cli.report import report
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(
@@ -40,9 +45,21 @@ app.command(
         "  ·  tsrl prepare-data seta-env --from ./SETA-Env --json"
     ),
 )(prepare_data)
+app.command(
+    "predict",
+    epilog="Examples:  tsrl predict --trace results/spread/stream/seed42  ·  tsrl predict --trace trace.csv --step-s 0.5 --json"
+           "  ·  tsrl predict --trace run/events.jsonl --learners 2 --spread 2",
+)(predict)
+app.command(
+    "report",
+    epilog="Examples:  tsrl report  ·  tsrl report results --out results/report --spread-key rollout.tool_latency_sigma --json",
+)(report)
 app.add_typer(data_app, name="data")
 app.add_typer(env_app, name="env")
 app.add_typer(policy_app, name="policy")
+app.command("train", epilog=TRAIN_EPILOG)(train)
+app.add_typer(bench_app, name="bench")
+app.add_typer(eval_app, name="eval")
 
 
 def _version(value: bool):

@@ -42,6 +42,8 @@ def prepare_data(
     keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set uses (evaluation instances are always dropped).")] = False,
     on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: skip (count it) or fail (exit 2). Default: fail for evaluation sets, skip for training sets.")] = None,
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
+    policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also train the default student and teacher policies (SFT; several minutes on 2 cores; kept when already built from the same data).")] = True,
+    rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a public task set (hub or local files) into tsrl task records with a manifest.
@@ -51,7 +53,7 @@ def prepare_data(
     from tsrl_cli.console import console, progress_printer
 
     if source == "embedded":
-        return _prepare_embedded(out or "data", seed, json_out)
+        return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy)
     try:
         from tsrl_cli.datasets.prepare import PrepareOptions, prepare
 
@@ -70,22 +72,29 @@ def prepare_data(
         _render_prepare(console, res)
 
 
-def _prepare_embedded(out_root: str, seed: int, json_out: bool) -> None:
+def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False) -> None:
     """Build the shipped suite and prepare its four datasets (see tsrl_cli/embedded/prepare.py)."""
     from tsrl_cli.console import console, progress_printer
 
     try:
         from tsrl_cli.embedded.prepare import prepare_embedded
 
-        res = prepare_embedded(out_root, seed, progress=progress_printer(not json_out))
+        res = prepare_embedded(out_root, seed, progress=progress_printer(not json_out), build_policy=policy,
+                               rebuild_policy=rebuild)
     except UsageError as e:
         raise _fail(e) from None
     if json_out:
         typer.echo(json.dumps(res))
         return
     for name, r in res.items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and name != "policy":
             _render_prepare(console, r)
+    pol = res.get("policy")
+    if pol:
+        state = "kept (already built from these training sets)" if pol.get("unchanged") else \
+            f"trained in {pol['seconds']['total']} s"
+        console.print(f"default policy: {pol['out']}/student and /teacher ({pol['params']:,} parameters each), {state}",
+                      highlight=False, soft_wrap=True)
     console.print(f"embedded suite built and prepared in {res['seconds']} s", highlight=False)
 
 

@@ -13,15 +13,23 @@ policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and
                          no_args_is_help=True, add_completion=False)
 
 
+TASK_ALIASES = {"embedded-train": ["embedded_repair_train", "embedded_terminal_train"],
+                "embedded-heldout": ["embedded_repair_heldout", "embedded_terminal_heldout"]}
+
+
+def expand_task_sets(names: list[str]) -> list[str]:
+    return [n for name in names for n in TASK_ALIASES.get(name, [name])]
+
+
 @policy_app.command(
     "probe",
-    epilog="Examples:  tsrl policy probe --model ./policy --tasks embedded_repair_train --samples 8  ·  "
-           "tsrl policy probe --model ./policy --tasks embedded_terminal_heldout --limit 10 --json",
+    epilog="Examples:  tsrl policy probe  ·  tsrl policy probe --model data/embedded_policy/teacher  ·  "
+           "tsrl policy probe --tasks embedded-heldout --samples 4 --json",
 )
 def probe(
     *,
-    model: Annotated[str, typer.Option(help="Policy directory (model + ChatML tokenizer, as save_pretrained writes).")],
-    tasks: Annotated[list[str], typer.Option(help="Prepared dataset(s) to sample on (repeatable), e.g. embedded_repair_train.")],
+    model: Annotated[str, typer.Option(help="Policy directory (model + ChatML tokenizer, as save_pretrained writes). Default: the embedded student; data/embedded_policy/teacher is the teacher.")] = "data/embedded_policy/student",
+    tasks: Annotated[list[str] | None, typer.Option(help="Prepared dataset(s) to sample on (repeatable), e.g. embedded_repair_train; `embedded-train` (default) and `embedded-heldout` name both embedded sets of a split.")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a GRPO group).")] = 8,
     limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
@@ -37,8 +45,10 @@ def probe(
         if samples < 1:
             raise UsageError("--samples must be >= 1")
         if not (Path(model) / "config.json").is_file():
-            raise UsageError(f"--model {model}: not a policy directory (no config.json); the embedded default "
-                             "policy is not built yet (issue 4)")
+            hint = ("the embedded default policy is built by `tsrl prepare-data embedded`" if "embedded_policy" in model
+                    else "pass a directory written by save_pretrained (e.g. a tsrl train checkpoint)")
+            raise UsageError(f"--model {model}: not a policy directory (no config.json); {hint}")
+        tasks = expand_task_sets(tasks or ["embedded-train"])
         from tsrl_cli.embedded.demos import dataset_tasks
         from tsrl_cli.embedded.sft import load_policy, probe_policy
 

@@ -103,3 +103,47 @@ def _reverse_header(line: str) -> str:
 
 def _swap_side(path: str, frm: str, to: str) -> str:
     return to + path[len(frm):] if path.startswith(frm) else path
+
+
+def parse_one_line_patch(patch: str) -> tuple[str, int, str, str]:
+    """(file, line number, old line, new line) of a diff that replaces one line."""
+    file, start, k, minus, plus, at = None, None, 0, None, None, None
+    for ln in patch.splitlines():
+        if ln.startswith("+++ "):
+            file = ln[4:].strip().removeprefix("b/")
+        elif ln.startswith("@@"):
+            m = re.match(r"@@ -(\d+)", ln)
+            start, k = int(m.group(1)), 0
+        elif start is None or ln.startswith("--- "):
+            continue
+        elif ln.startswith("-"):
+            if minus is not None:
+                raise ValueError("patch changes more than one line")
+            minus, at = ln[1:], start + k
+            k += 1
+        elif ln.startswith("+"):
+            if plus is not None:
+                raise ValueError("patch changes more than one line")
+            plus = ln[1:]
+        elif ln.startswith(" ") or ln == "":
+            k += 1
+    if file is None or minus is None or plus is None:
+        raise ValueError("not a one-line replacement patch")
+    return file, at, minus, plus
+
+
+def apply_one_line_patch(root, patch: str) -> bool:
+    """Apply a one-line replacement patch in place under root; False when it is not one or does not match."""
+    from pathlib import Path
+
+    try:
+        file, line, old, new = parse_one_line_patch(patch)
+        path = Path(root) / file
+        lines = path.read_text().splitlines(keepends=True)
+    except (ValueError, OSError):
+        return False
+    if not 0 < line <= len(lines) or lines[line - 1].rstrip("\r\n") != old:
+        return False
+    lines[line - 1] = new + lines[line - 1][len(old):]
+    path.write_text("".join(lines))
+    return True

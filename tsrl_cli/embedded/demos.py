@@ -32,6 +32,7 @@ from pathlib import Path
 from tsrl_cli.agent.actions import FORMAT_ERROR, parse_action, submitted_by_output
 from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, observation_text
 from tsrl_cli.agent.renderer import ChatMLRenderer, TokenTrajectory
+from tsrl_cli.datasets.patches import parse_one_line_patch
 
 SUBMIT = "```bash\nsubmit\n```"
 # pytest prints its duration ("in 0.81s"): cut it so that an observation is a function of the state alone
@@ -109,33 +110,6 @@ def line_edit(old: str, new: str) -> tuple[str, str]:
 
 def sed_replace(line_no: int, a: str, b: str, file: str) -> str:
     return f"sed -i '{line_no}s/{_sq(_bre_escape(a))}/{_sq(_repl_escape(b))}/' {file}"
-
-
-def parse_one_line_patch(patch: str) -> tuple[str, int, str, str]:
-    """(file, line number, old line, new line) of a diff that replaces one line."""
-    file, start, k, minus, plus, at = None, None, 0, None, None, None
-    for ln in patch.splitlines():
-        if ln.startswith("+++ "):
-            file = ln[4:].strip().removeprefix("b/")
-        elif ln.startswith("@@"):
-            m = re.match(r"@@ -(\d+)", ln)
-            start, k = int(m.group(1)), 0
-        elif start is None or ln.startswith("--- "):
-            continue
-        elif ln.startswith("-"):
-            if minus is not None:
-                raise ValueError("patch changes more than one line")
-            minus, at = ln[1:], start + k
-            k += 1
-        elif ln.startswith("+"):
-            if plus is not None:
-                raise ValueError("patch changes more than one line")
-            plus = ln[1:]
-        elif ln.startswith(" ") or ln == "":
-            k += 1
-    if file is None or minus is None or plus is None:
-        raise ValueError("not a one-line replacement patch")
-    return file, at, minus, plus
 
 
 # -- wrong edits ---------------------------------------------------------------------------------------------
@@ -381,6 +355,21 @@ async def run_demo(task, dataset_dir: Path, variant: str, cfg: DemoConfig = Demo
     return {"task_id": task.task_id, "kind": task.kind, "variant": variant, "instruction": env.instruction,
             "messages": messages, "reward": float(reward.reward), "reason": reward.reason,
             "seconds": round(time.perf_counter() - t0, 3)}
+
+    file, line, _bug, gold_line = parse_one_line_patch(task.gold_patch)
+    start = (Path(dataset_dir) / task.start_dir / file).read_text()
+    lines = start.splitlines(keepends=True)
+    end = lines[line - 1][len(lines[line - 1].rstrip("\r\n")):]
+    lines[line - 1] = gold_line + end
+    try:
+        now = (Path(workdir) / file).read_text()
+    except OSError:
+        return None
+    if now == "".join(lines):
+        return RewardResult(1.0, "the validated gold state (tests pass: checked when the suite was built)")
+    if now == start:
+        return RewardResult(0.0, "the validated start state (FAIL_TO_PASS fail: checked when the suite was built)")
+    return None
 
 
 async def make_demos_async(tasks: Iterable[tuple[Path, object]], cfg: DemoConfig = DemoConfig(),

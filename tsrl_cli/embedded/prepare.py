@@ -27,8 +27,14 @@ EMBEDDED_SETS = ("embedded_repair_heldout", "embedded_terminal_heldout", "embedd
 
 def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Callable[[str], None] = lambda m: None,
                      *, repos: list[str] | None = None, max_per_repo: int = 40, n_terminal_train: int = 120,
-                     n_terminal_heldout: int = 30) -> dict:
-    """Build and prepare the embedded suite; returns {dataset name: prepare() result, "seconds": ...}."""
+                     n_terminal_heldout: int = 30, policy=None, build_policy: bool = False,
+                     rebuild_policy: bool = False) -> dict:
+    """Build and prepare the embedded suite; returns {dataset name: prepare() result, "policy": ..., "seconds": ...}.
+
+    With build_policy, the default student and teacher (policy_build.py, `policy` a PolicyBuildConfig)
+    are then trained on the prepared training sets, unless data/embedded_policy already holds a build
+    of the same training data and config (its build key), which is kept (rebuild_policy forces it).
+    """
     from tsrl_cli.datasets.prepare import PrepareOptions, prepare
     from tsrl_cli.embedded.repair_suite import build_repair_suite
     from tsrl_cli.embedded.terminal_suite import build_terminal_suite
@@ -61,4 +67,26 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
                                                    eval_sets=eval_sets, on_error="fail"), progress)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    if build_policy:
+        results["policy"] = _policy(root, seed, policy, rebuild_policy, progress)
     return {**results, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _policy(root: Path, seed: int, cfg, rebuild: bool, progress) -> dict:
+    from dataclasses import replace
+
+    from tsrl_cli.embedded.policy_build import POLICY_DIR, TRAIN_SETS, PolicyBuildConfig, build_key, build_policy
+
+    cfg = replace(cfg or PolicyBuildConfig(), seed=seed)
+    key = build_key(root, cfg)
+    out = root / POLICY_DIR
+    try:
+        old = json.loads((out / "build.json").read_text())
+    except (OSError, ValueError):
+        old = {}
+    if not rebuild and old.get("key") == key and (out / "student").is_dir() and (out / "teacher").is_dir():
+        progress(f"{out}: student and teacher already built from these training sets ({', '.join(TRAIN_SETS)}) "
+                 "and this config; kept (--rebuild-policy to train again)")
+        return {**old, "unchanged": True, "out": str(out)}
+    progress("building the default policy: demonstrations, tokenizer, SFT (student, then teacher)")
+    return {**build_policy(root, cfg, progress), "unchanged": False, "out": str(out)}

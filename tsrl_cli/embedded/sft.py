@@ -165,8 +165,8 @@ def train_sft(model, seqs: list[tuple[list[int], list[int]]], cfg: SFTConfig = S
                     progress(rec)
             if eval_seqs is not None:
                 log[-1]["eval_nll"] = evaluate_nll(model, eval_seqs, pad_id)
-                if progress is not None:
-                    progress({**log[-1], "event": "epoch_end"})
+            if progress is not None:  # the caller may snapshot the model here (student = an earlier epoch)
+                progress({**log[-1], "event": "epoch_end"})
     model.eval()
     return log
 

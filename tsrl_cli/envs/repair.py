@@ -7,6 +7,12 @@ FAIL_TO_PASS / PASS_TO_PASS are restored from the start state (the agent may not
 tests, as SWE-bench re-applies its test patch), then the test command runs in the same sandbox
 with the verifier's own timeout; pytest's -rA summary is parsed; binary or pass-ratio reward.
 A crashing or hanging verifier gives reward 0 with the reason, never an exception.
+
+Known states (local executor, tasks that ship their start state and a one-file gold patch, as the
+embedded suite does): a task's start state and its gold state were both run through the tests when
+the suite was built (start: FAIL_TO_PASS fail; gold: everything passes). When the working tree after
+the tests are restored is byte-identical to one of them, the reward is that validated result and
+pytest is not run again (the tests are deterministic; any other state, e.g. one extra file, runs them).
 """
 
 from __future__ import annotations
@@ -35,6 +41,48 @@ def test_files(test_ids: list[str]) -> list[str]:
     for t in test_ids:
         seen.setdefault(t.split("::", 1)[0], None)
     return list(seen)
+
+
+_SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 over (relative path, content) of every file under root, caches skipped; links by target."""
+    import hashlib
+    import os
+
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if name.endswith(".pyc"):
+                continue
+            p = Path(dirpath) / name
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+_KNOWN: dict[tuple[str, str], dict[str, RewardResult]] = {}
+
+
+def known_states(task, repo_dir: Path) -> dict[str, RewardResult]:
+    """{tree digest: validated reward} for the start and gold states of a task (memoized per process)."""
+    key = (task.task_id, str(repo_dir))
+    if key not in _KNOWN:
+        import tempfile
+
+        from tsrl_cli.datasets.patches import apply_one_line_patch
+
+        states = {tree_digest(repo_dir): RewardResult(0.0, "start state: FAIL_TO_PASS fail (validated at build)")}
+        with tempfile.TemporaryDirectory(prefix="tsrl-gold-") as tmp:
+            gold = Path(tmp) / "repo"
+            shutil.copytree(repo_dir, gold, symlinks=True, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc"))
+            if apply_one_line_patch(gold, task.gold_patch):
+                states[tree_digest(gold)] = RewardResult(1.0, "gold state: all tests pass (validated at build)")
+        _KNOWN[key] = states
+    return _KNOWN[key]
 
 
 class RepairEnv(SandboxEnv):
@@ -68,11 +116,22 @@ class RepairEnv(SandboxEnv):
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dst)
 
+    def _known_reward(self) -> RewardResult | None:
+        """The validated reward when the tree equals the task's start or gold state (see the module doc)."""
+        if self.repo_dir is None or self.sandbox.executor != "local" or self.reward_mode != "binary":
+            return None
+        if self.task.test_command or not self.task.source.startswith("embedded"):
+            return None  # only the embedded suite ran both states through its tests when it was built
+        return known_states(self.task, self.repo_dir).get(tree_digest(self.sandbox.workdir))
+
     async def reward(self) -> RewardResult:
         if self.sandbox is None:
             return RewardResult(0.0, "the sandbox never started")
         try:
             await asyncio.to_thread(self._restore_tests)
+            known = await asyncio.to_thread(self._known_reward)
+            if known is not None:
+                return known
             res = await asyncio.to_thread(self.exec, self.test_command(), self.verifier_timeout_s)
         except Exception as e:  # noqa: BLE001 - the verifier's failure is a reward of 0, with its reason
             return RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}")

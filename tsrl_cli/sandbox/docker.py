@@ -138,6 +138,8 @@ class DockerSandbox(Sandbox):
     def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
         if self._closed:
             return ExecResult("", "sandbox is closed", 126, 0.0)
+        if "\x00" in command:  # no argv can carry it (a model can emit one): a tool error, not a crash
+            return ExecResult("", "sandbox: the command contains a NUL byte, which a shell cannot receive", 126, 0.0)
         extra = list(mounts or ())
         if not extra:
             return self._run(command, timeout_s)

@@ -516,6 +516,8 @@ class LocalSandbox(Sandbox):
     def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
         if self._closed:
             return ExecResult("", "sandbox is closed", 126, 0.0)
+        if "\x00" in command:  # no argv can carry it (a model can emit one): a tool error, not a crash
+            return ExecResult("", "sandbox: the command contains a NUL byte, which a shell cannot receive", 126, 0.0)
         extra = list(mounts or ())
         all_mounts = self._check_mounts(extra, self.mounts) if extra else self.mounts
         owned = _Owned(all_mounts[len(self.mounts):], self._uid)  # per-run read-write mounts: this run only
@@ -532,7 +534,7 @@ class LocalSandbox(Sandbox):
                 self._argv(command, mounts), cwd=self.workdir, env=self.env, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
             )
-        except OSError as e:
+        except (OSError, ValueError) as e:
             return ExecResult("", f"sandbox: could not start the command: {e}", 126, time.monotonic() - start)
         try:
             out, err, truncated, limit = self._communicate(proc, timeout_s)

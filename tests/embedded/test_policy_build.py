@@ -1,0 +1,98 @@
+"""The default-policy build: made-up-name terminal instances, the validated-state reward shortcut
+(checked against the real verifier), and a tiny end-to-end build with its reuse key."""
+
+import asyncio
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tsrl_cli.datasets.patches import apply_one_line_patch, parse_one_line_patch
+from tsrl_cli.embedded.demos import DemoConfig, dataset_tasks, run_demo
+from tsrl_cli.embedded.policy_build import PolicyBuildConfig, augment_terminal, build_key, pseudo_words
+from tsrl_cli.embedded.prepare import prepare_embedded
+from tsrl_cli.embedded.sft import SFTConfig, load_policy
+from tsrl_cli.embedded.terminal_suite import POOLS
+from tsrl_cli.envs import repair as repair_env
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
+                                reason="no sandbox isolation (bubblewrap or unshare)")
+SMALL = {"repos": ["roman", "money"], "max_per_repo": 3, "n_terminal_train": 4, "n_terminal_heldout": 2}
+TINY = PolicyBuildConfig(aug_terminal=6, vocab_size=400, stage1_epochs=1, student_epochs=1, teacher_epochs=2,
+                         sft=SFTConfig(hidden=32, layers=1, max_positions=2048, batch_size=4, warmup_steps=2),
+                         demos=DemoConfig(concurrency=2))
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    r = tmp_path_factory.mktemp("data")
+    prepare_embedded(r, seed=0, **SMALL)
+    return r
+
+
+def test_one_line_patch_round_trip(tmp_path):
+    (tmp_path / "m.py").write_text("a = 1\nif x <= 0:\n    y = 2\n")
+    patch = "--- a/m.py\n+++ b/m.py\n@@ -1,3 +1,3 @@\n a = 1\n-if x <= 0:\n+if x < 0:\n     y = 2\n"
+    assert parse_one_line_patch(patch) == ("m.py", 2, "if x <= 0:", "if x < 0:")
+    assert apply_one_line_patch(tmp_path, patch)
+    assert (tmp_path / "m.py").read_text() == "a = 1\nif x < 0:\n    y = 2\n"
+    assert not apply_one_line_patch(tmp_path, patch)  # the old line is gone: no silent second edit
+
+
+def test_made_up_names_avoid_every_split(tmp_path):
+    words = pseudo_words(__import__("random").Random(0), 200)
+    assert len(set(words)) == 200 and not set(words) & (set(POOLS["train"]) | set(POOLS["heldout"]))
+    a = augment_terminal(tmp_path / "a", 8, seed=0)
+    b = augment_terminal(tmp_path / "b", 8, seed=0)
+    assert [t.instruction for _, t in a] == [t.instruction for _, t in b]  # deterministic for a seed
+    assert len({t.instruction for _, t in a}) == len(a) >= 7
+
+
+def test_validated_states_give_the_verifiers_reward(root, monkeypatch):
+    """Start, gold and a wrong state: the shortcut's reward equals pytest's; a wrong state runs pytest."""
+    d, t = dataset_tasks(root / "embedded_repair_train")[0]
+    fast = {v: asyncio.run(run_demo(t, d, v)) for v in ("correct", "no_fix", "wrong")}
+    assert "validated at build" in fast["correct"]["reason"] and fast["correct"]["reward"] == 1.0
+    assert "validated at build" in fast["no_fix"]["reason"] and fast["no_fix"]["reward"] == 0.0
+    from tsrl_cli.envs.tasks import make_env
+
+    async def other_state():  # the gold edit plus one extra file: not a validated state, pytest must run
+        env = make_env(t, d)
+        await env.start()
+        try:
+            file, line, _, _ = parse_one_line_patch(t.gold_patch)
+            apply_one_line_patch(env.sandbox.workdir, t.gold_patch)
+            (env.sandbox.workdir / "notes.txt").write_text("x")
+            return env._known_reward(), await env.reward()
+        finally:
+            await env.close()
+
+    known, rew = asyncio.run(other_state())
+    assert known is None and rew.reward == 1.0 and "validated" not in rew.reason
+    monkeypatch.setattr(repair_env.RepairEnv, "_known_reward", lambda self: None)
+    for v, res in fast.items():
+        real = asyncio.run(run_demo(t, d, v))
+        assert real["reward"] == res["reward"] and "validated" not in real["reason"], (v, real, res)
+
+
+def test_tiny_build_end_to_end_and_reuse(root):
+    progress = []
+    res = prepare_embedded(root, seed=0, progress=progress.append, build_policy=True, policy=TINY, **SMALL)
+    pol = res["policy"]
+    assert not pol["unchanged"] and pol["key"] == build_key(root, TINY)
+    for role in ("student", "teacher"):
+        model, tok = load_policy(root / "embedded_policy" / role)
+        assert next(model.parameters()).dtype == torch.float32  # stored in bf16, loaded in the asked dtype
+        info = json.loads((root / "embedded_policy" / role / "policy.json").read_text())
+        assert info["role"] == role and info["stage2_epochs"] == {"student": 1, "teacher": 2}[role]
+    s, _ = load_policy(root / "embedded_policy" / "student")
+    te, _ = load_policy(root / "embedded_policy" / "teacher")
+    assert any(not torch.equal(a, b) for a, b in zip(s.parameters(), te.parameters()))  # trained longer
+    demos = (root / "embedded_policy" / "demos.jsonl").read_text().splitlines()
+    assert any(json.loads(x)["task_id"].startswith("aug-") for x in demos)
+    again = prepare_embedded(root, seed=0, build_policy=True, policy=TINY, **SMALL)
+    assert again["policy"]["unchanged"]  # same training sets and config: kept
+    assert build_key(root, replace(TINY, teacher_epochs=3)) != pol["key"]

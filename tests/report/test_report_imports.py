@@ -1,0 +1,22 @@
+"""`tsrl --help` loads neither matplotlib nor the report code; the event model is pure python."""
+
+import subprocess
+import sys
+
+
+def _run(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_cli_help_does_not_load_report_or_matplotlib():
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom tsrl_cli.cli import app\n"
+            "for a in (['--help'], ['report', '--help'], ['predict', '--help']):\n"
+            "    assert CliRunner().invoke(app, a).exit_code == 0\n"
+            "print(sorted(m for m in ('matplotlib', 'yaml', 'tsrl_cli.report.build', 'tsrl_cli.predict') if m in sys.modules))")
+    assert _run(code) == "[]"
+
+
+def test_predict_imports_no_torch_or_numpy():
+    code = ("import sys\nimport tsrl_cli.predict, tsrl_cli.report.aggregate\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'matplotlib', 'typer', 'rich') if m in sys.modules))")
+    assert _run(code) == "[]"

@@ -1,0 +1,76 @@
+"""Config: precedence, strict keys and types, YAML round trip; CLI exit 2 on a bad key."""
+
+import pytest
+from typer.testing import CliRunner
+
+from tsrl_cli.cli import app
+from tsrl_cli.config import ConfigError, TrainConfig, dump_config, load_config, parse_set
+
+
+def test_defaults_are_the_embedded_default():
+    cfg = load_config()
+    assert cfg == TrainConfig()
+    assert (cfg.objective, cfg.schedule, cfg.rollout.group_size) == ("grpo", "stream", 8)
+    assert cfg.data.train == ("embedded_repair_train", "embedded_terminal_train")
+    assert str(cfg.run_dir()) == "results/embedded_default/stream/seed0"
+
+
+def test_precedence_defaults_yaml_set_flags(tmp_path):
+    y = tmp_path / "exp.yaml"
+    y.write_text("name: exp\nseed: 1\nrollout: {group_size: 2, max_turns: 5}\noptim: {lr: 0.5}\n")
+    cfg = load_config(y)
+    assert (cfg.name, cfg.seed, cfg.rollout.group_size, cfg.rollout.max_turns, cfg.optim.lr) == ("exp", 1, 2, 5, 0.5)
+    cfg = load_config(y, ["seed=2", "rollout.group_size=3"])
+    assert (cfg.seed, cfg.rollout.group_size, cfg.rollout.max_turns) == (2, 3, 5)
+    cfg = load_config(y, ["seed=2"], {"seed": 7, "optim.lr": None})  # None: the flag was not given
+    assert (cfg.seed, cfg.optim.lr) == (7, 0.5)
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(sets=["optim.betas=[0.9, 0.95]", "data.train=[a, b]", "offpolicy.tis_cap=2"])
+    p = tmp_path / "config.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.offpolicy.tis_cap == 2.0
+
+
+@pytest.mark.parametrize("sets,msg", [
+    (["rollout.gruop_size=3"], "did you mean group_size"),
+    (["zzz=1"], "valid here: name, objective"),
+    (["seed=abc"], "expected an integer"),
+    (["rollout.temperature=hot"], "expected a number"),
+    (["run.save_rollouts=3"], "expected true or false"),
+    (["rollout=3"], "expected a mapping"),
+    (["schedule=later"], "not one of sync, stream, async"),
+    (["rounds=0"], "must be >= 1"),
+    (["offpolicy.tis_cap=-1"], "tis_cap"),
+    (["noequals"], "key=value"),
+])
+def test_bad_keys_and_values(sets, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(sets=sets)
+
+
+def test_parse_set_yaml_values():
+    assert load_config(sets=["optim.lr=1e-3"]).optim.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string
+    assert parse_set("x=[1, 2]") == {"x": [1, 2]}
+    assert parse_set("x=null") == {"x": None}
+
+
+def test_cli_unknown_key_exit_2_one_line():
+    res = CliRunner().invoke(app, ["train", "--set", "rollout.gruop_size=3"])
+    assert res.exit_code == 2
+    assert "did you mean group_size" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_cli_missing_data_exit_2(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    res = CliRunner().invoke(app, ["train"])
+    assert res.exit_code == 2
+    assert "tsrl prepare-data embedded" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_cli_help():
+    runner = CliRunner()
+    assert runner.invoke(app, ["train", "--help"]).exit_code == 0
+    assert runner.invoke(app, ["bench", "speedup", "--help"]).exit_code == 0

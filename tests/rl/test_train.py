@@ -1,0 +1,257 @@
+"""The round engine end to end on the toy workload: real processes, real queues, real engine.
+
+- float64 sync == stream (GRPO 3 rounds, OPD 2 rounds): identical rollouts, weights within 1e-9
+- rollouts are a pure function of (weights, seed, round, task, sample): replayed from a checkpoint
+- async records staleness >= 1 after round 1; stream records 0
+- the run directory follows docs/run-directory.md; DONE is written last
+- resume after a crash gives the uninterrupted run's fp32 weights exactly
+"""
+
+import asyncio
+import json
+import queue
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tsrl_cli.rl.train import train
+
+pytestmark = pytest.mark.slow
+
+METRIC_KEYS = (
+    "round", "schedule", "objective", "seed", "policy_version", "step_time_s", "rollout_makespan_s",
+    "learner_busy_s", "learner_idle_frac", "last_arrival_to_step_s", "optimizer_step_s", "weight_sync_s",
+    "staleness_mean", "staleness_max", "peak_mem_rollout_bytes", "peak_mem_learner_bytes",
+    "accumulator_peak_bytes", "trajectories", "tokens", "loss_tokens", "reward_mean", "reward_std", "loss",
+    "grad_norm", "wall_s", "core_s",
+)
+EVENT_KEYS = {
+    "item": ["id", "group_id", "sample_index", "turn", "finished_at_s", "backward_start_s", "backward_end_s",
+             "learner_cost_s", "tokens", "loss_tokens", "staleness", "reward"],
+    "batch_backward": ["start_s", "end_s", "items", "loss_tokens"],
+    "group_close": ["group_id", "at_s"],
+    "step": ["start_s", "end_s"],
+    "weight_sync": ["start_s", "end_s"],
+    "round_end": ["at_s", "learners"],
+}
+
+
+def rows(run_dir, name):
+    p = Path(run_dir) / name
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.is_file() else []
+
+
+def weights(run_dir, k):
+    return load_file(str(Path(run_dir) / "checkpoints" / f"round-{k}" / "model.safetensors"))
+
+
+def max_rel(a, b):
+    return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-300)) for k in a)
+
+
+def rollout_tokens(run_dir):
+    return [(r["round"], r["group_id"], r["sample_index"], r["input_ids"]) for r in rows(run_dir, "rollouts.jsonl")]
+
+
+def check_run_dir(run_dir, cfg):
+    run_dir = Path(run_dir)
+    metrics, events = rows(run_dir, "metrics.jsonl"), rows(run_dir, "events.jsonl")
+    assert [m["round"] for m in metrics] == list(range(1, cfg.rounds + 1))
+    for m in metrics:
+        assert set(METRIC_KEYS) <= m.keys(), set(METRIC_KEYS) - m.keys()
+        assert m["schedule"] == cfg.schedule and m["trajectories"] == 8
+        assert m["step_time_s"] > 0 and 0 <= m["learner_busy_s"] and m["learner_idle_frac"] <= 1
+    kinds = {e["event"] for e in events}
+    assert {"item", "group_close", "step", "weight_sync", "round_end"} <= kinds
+    for e in events:
+        assert set(EVENT_KEYS[e["event"]]) <= e.keys() and "round" in e
+    # the resolved config reloads to the same config; DONE (a JSON summary) was written last
+    from tsrl_cli.config import load_config
+
+    assert load_config(run_dir / "config.yaml") == cfg
+    assert json.loads((run_dir / "DONE").read_text())["rounds"] == cfg.rounds
+    done = (run_dir / "DONE").stat().st_mtime_ns
+    assert all(p.stat().st_mtime_ns <= done for p in run_dir.rglob("*") if p.is_file())
+    ck = run_dir / "checkpoints" / f"round-{cfg.rounds}"
+    assert {"config.json", "model.safetensors", "optimizer.pt", "state.json", "tokenizer.json"} <= {
+        p.name for p in ck.iterdir()}
+    return metrics, events
+
+
+def test_grpo_sync_equals_stream_float64(toy_config):
+    runs = {}
+    for s in ("sync", "stream"):
+        cfg = toy_config(out=s, schedule=s, rounds=3, **{"model.dtype": "float64", "run.save_rollouts": True,
+                                                         "run.save_every": 1})
+        train(cfg)
+        runs[s] = cfg
+    a, b = (str(runs[s].run_dir()) for s in ("sync", "stream"))
+    ta, tb = rollout_tokens(a), rollout_tokens(b)
+    assert len(ta) == 24 and ta == tb  # identical token ids, every round
+    from tsrl_cli.rollouts import parse_rollout
+
+    for r in rows(a, "rollouts.jsonl"):  # the rollout schema plus round and policy_version
+        assert r.pop("policy_version") == r.pop("round") - 1
+        parse_rollout(r, "rollouts.jsonl")
+    assert max_rel(weights(a, 3), weights(b, 3)) < 1e-9
+    assert max_rel(weights(a, 3), weights(a, 0)) > 1e-3  # and the weights really moved
+    for s, d in ((s, str(runs[s].run_dir())) for s in runs):
+        metrics, events = check_run_dir(d, runs[s])
+        items = [e for e in events if e["event"] == "item"]
+        assert len(items) == 24 and all(e["staleness"] == 0 for e in items)
+        assert all(m["staleness_max"] == 0 for m in metrics)
+        if s == "stream":  # per-arrival backwards, each after its arrival
+            assert all(e["learner_cost_s"] > 0 and e["backward_start_s"] >= e["finished_at_s"] for e in items)
+            assert all(m["accumulator_peak_bytes"] > 0 and m["loss"] is None for m in metrics)
+        else:
+            assert all(e["learner_cost_s"] is None for e in items)
+            assert sum(e["event"] == "batch_backward" for e in events) == 3
+            assert all(m["loss"] is not None for m in metrics)
+
+
+def test_grpo_kl_seq_mean_sync_equals_stream_float64(toy_config):
+    """A KL term to the initial policy (scored on the learner) and per-sequence weights."""
+    runs = {}
+    for s in ("sync", "stream"):
+        cfg = toy_config(out=s, schedule=s, rounds=2, **{"model.dtype": "float64", "loss.kl_coef": 0.1,
+                                                         "loss.loss_agg": "seq-mean-token-mean", "loss.adv_norm": "center",
+                                                         "loss.max_open_groups": 1})
+        train(cfg)
+        runs[s] = str(cfg.run_dir())
+    assert max_rel(weights(runs["sync"], 2), weights(runs["stream"], 2)) < 1e-9
+
+
+def test_rollouts_are_a_pure_function_of_weights_seed_round_task_sample(toy_config, tmp_path):
+    """Replay round-3 trajectories in this process from the round-2 checkpoint: same tokens.
+    From the initial weights they differ: the rollout process really trains on new weights."""
+    from tsrl_cli.rl.rollout_worker import RolloutWorker
+    from tsrl_cli.rl.types import GroupSpec
+
+    cfg = toy_config(out="pure", schedule="stream", rounds=3,
+                     **{"model.dtype": "float64", "run.save_rollouts": True, "run.save_every": 1})
+    train(cfg)
+    recorded = {(r["group_id"], r["sample_index"]): r["input_ids"]
+                for r in rows(cfg.run_dir(), "rollouts.jsonl") if r["round"] == 3}
+
+    def replay(model_dir):
+        w = RolloutWorker(cfg, str(model_dir), 2, queue.Queue(), queue.Queue(), queue.Queue())
+        try:
+            out = {}
+            for gid, i in recorded:
+                msg = asyncio.run(w.run_one(3, 2, GroupSpec(gid, gid, 4), i))
+                out[(gid, i)] = msg.rollout.input_ids
+            return out
+        finally:
+            w.batcher.close()
+
+    assert replay(Path(cfg.run_dir()) / "checkpoints" / "round-2") == recorded
+    from tsrl_cli.rl.toy import ensure_toy_policy
+
+    assert replay(ensure_toy_policy("builtin:toy")) != recorded
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
+    """seq-mean-token-mean: a trajectory's 1/n waits for its last turn (TrajectoryDone)."""
+    runs = {}
+    for s in ("sync", "stream"):
+        cfg = toy_config(out=s, objective="opd", schedule=s, rounds=2,
+                         **{"model.dtype": "float64", "run.save_rollouts": True, "loss.loss_agg": loss_agg})
+        train(cfg)
+        runs[s] = str(cfg.run_dir())
+    assert rollout_tokens(runs["sync"]) == rollout_tokens(runs["stream"])
+    assert max_rel(weights(runs["sync"], 2), weights(runs["stream"], 2)) < 1e-9
+    items = [e for e in rows(runs["stream"], "events.jsonl") if e["event"] == "item"]
+    assert items and all(e["turn"] is not None and e["reward"] is None for e in items)
+    m = rows(runs["stream"], "metrics.jsonl")
+    assert all(r["opd_reverse_kl"] is not None and r["peak_mem_teacher_bytes"] for r in m)
+    # a turn's backward can run before its trajectory ends: items outnumber trajectories
+    assert len(items) > sum(r["trajectories"] for r in m)
+
+
+def test_async_staleness(toy_config):
+    cfg = toy_config(out="async", schedule="async", rounds=3, **{"offpolicy.tis_cap": 2.0})
+    summary = train(cfg)
+    metrics = rows(cfg.run_dir(), "metrics.jsonl")
+    assert metrics[0]["staleness_max"] == 0  # round 1: generated by the initial weights, trained at version 0
+    assert all(m["staleness_mean"] >= 1 and m["exact"] is False for m in metrics[1:])
+    items = [e for e in rows(cfg.run_dir(), "events.jsonl") if e["event"] == "item" and e["round"] > 1]
+    assert items and all(e["staleness"] == 1 for e in items)
+    assert summary["exact"] is False and summary["staleness_max"] == 1
+
+
+def test_resume_fp32_equals_uninterrupted(toy_config):
+    sets = {"schedule": "sync", "rounds": 3, "run.save_every": 1, "rollout.batch_invariant": True}
+    full = toy_config(out="full", **sets)
+    train(full)
+    crashed = toy_config(out="crashed", **sets)
+    train(crashed)
+    d = Path(crashed.run_dir())  # a crash during round 3: its checkpoint and DONE never written
+    shutil.rmtree(d / "checkpoints" / "round-3")
+    (d / "DONE").unlink()
+    summary = train(crashed, resume=True)
+    assert summary["rounds"] == 3
+    assert [m["round"] for m in rows(d, "metrics.jsonl")] == [1, 2, 3]
+    a, b = weights(full.run_dir(), 3), weights(d, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    opt_a = torch.load(Path(full.run_dir()) / "checkpoints/round-3/optimizer.pt", weights_only=True)
+    opt_b = torch.load(d / "checkpoints/round-3/optimizer.pt", weights_only=True)
+    assert all(torch.equal(opt_a["state"][i]["exp_avg"], opt_b["state"][i]["exp_avg"]) for i in opt_a["state"])
+
+
+def test_cli_json_and_resume_errors(toy_policies, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "cli"
+    args = ["train", "experiments/smoke/tiny_cpu.yaml", "--rounds", "2", "--out", str(out), "--schedule", "sync"]
+    res = runner.invoke(app_(), [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["rounds"] == 2 and doc["schedule"] == "sync" and doc["run_dir"] == str(out)
+    res = runner.invoke(app_(), args)  # the same directory again, without --resume
+    assert res.exit_code == 2 and "--resume" in res.stderr
+    res = runner.invoke(app_(), [*args, "--resume"])  # complete: nothing to resume
+    assert res.exit_code == 2 and "complete" in res.stderr
+    res = runner.invoke(app_(), [*args, "--resume", "--lr", "0.5"])
+    assert res.exit_code == 2 and "optim.lr" in res.stderr
+
+
+def test_scope_error_before_any_process(toy_config):
+    from tsrl_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="norm-constant"):
+        train(toy_config(**{"loss.loss_agg": "seq-mean-token-sum-norm"}))
+
+
+def test_bench_speedup_json(toy_policies, tmp_path):
+    res = CliRunner().invoke(app_(), ["bench", "speedup", "experiments/smoke/tiny_cpu.yaml", "--rounds", "2",
+                                      "--schedules", "sync,stream", "--out", str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert set(doc["schedules"]) == {"sync", "stream"}
+    st = doc["schedules"]["stream"]
+    assert doc["schedules"]["sync"]["speedup_vs_sync"] == 1.0 and st["speedup_vs_sync"] > 0
+    assert st["rounds_measured"] == 1 and st["accumulator_peak_bytes"] > 0 and "memory_overhead_bytes" in st
+
+
+def app_():
+    from tsrl_cli.cli import app
+
+    return app
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
+                    reason="no sandbox isolation (bubblewrap or unshare)")
+def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path):
+    """The same engine on a prepared dataset: one sandbox per trajectory and the task's own verifier."""
+    res = CliRunner().invoke(app_(), ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
+                                      "--out", str(tmp_path / "tb"), "--json"])
+    assert res.exit_code == 0, res.output
+    cfg = toy_config(f"data.train=[{tmp_path / 'tb'}]", "rollout.prompts_per_round=1", "rollout.group_size=2",
+                     "rollout.max_turns=2", out="sandbox", rounds=1)
+    train(cfg)
+    m = rows(cfg.run_dir(), "metrics.jsonl")
+    assert len(m) == 1 and m[0]["trajectories"] == 2 and not any(k.startswith("env_error") for k in m[0]["exit_reasons"])

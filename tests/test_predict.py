@@ -1,0 +1,185 @@
+"""The event model against hand-computed rounds, the trace readers, and `tsrl predict` end to end."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tsrl_cli.cli import app
+from tsrl_cli.errors import UsageError
+from tsrl_cli.predict import Item, drain_time, load_trace, predict_round, predict_trace, what_if
+
+runner = CliRunner()
+
+
+def items(*pairs):
+    return [Item(a, c) for a, c in pairs]
+
+
+def test_two_arrivals():
+    # arrive at 1 s (2 s of work) and 3 s (1 s); step 0.5, sync 0.25, one learner
+    # sync: 3 + 3 + 0.75 = 6.75; stream: [1, 3] then [3, 4] -> 4 + 0.75 = 4.75; async: max(3, 3.5) + 0.25
+    p = predict_round(items((1, 2), (3, 1)), step_s=0.5, sync_s=0.25)
+    assert p["sync_s"] == pytest.approx(6.75)
+    assert p["stream_s"] == pytest.approx(4.75)
+    assert p["async_s"] == pytest.approx(3.75)
+    assert p["speedup"] == pytest.approx(6.75 / 4.75)
+    assert p["ceiling"] == pytest.approx((3 + 3 + 0.75) / (3 + 0.75))
+
+
+@pytest.mark.parametrize("n", [1, 4, 100, 10_000])
+def test_exact_balance_tends_to_two(n):
+    # n items arriving uniformly over T, each costing T/n: work == makespan == T
+    # stream: each item starts on arrival and ends as the next arrives -> T + T/n; sync: 2T
+    T = 10.0
+    p = predict_round([Item(T * (i + 1) / n, T / n) for i in range(n)])
+    assert p["sync_s"] == pytest.approx(2 * T)
+    assert p["stream_s"] == pytest.approx(T * (1 + 1 / n))
+    assert p["speedup"] == pytest.approx(2 * n / (n + 1))
+    assert p["ceiling"] == pytest.approx(2.0)
+
+
+def test_rollout_dominated_bounded_by_makespan():
+    # 100 arrivals over 10 s, 1 ms of work each: W = 0.1 s << M = 10 s
+    p = predict_round([Item(0.1 * (i + 1), 0.001) for i in range(100)])
+    assert p["sync_s"] == pytest.approx(10.1)
+    assert p["stream_s"] == pytest.approx(10.001)
+    assert p["speedup"] == pytest.approx(10.1 / 10.001)
+    assert p["speedup"] <= p["ceiling"] == pytest.approx((10 + 0.1) / 10)
+
+
+def test_learner_dominated_bounded_by_work():
+    # arrivals 0, 1, 2 s, 3 s of work each: the learner never waits after the first arrival
+    p = predict_round(items((0, 3), (1, 3), (2, 3)))
+    assert p["sync_s"] == pytest.approx(2 + 9)
+    assert p["stream_s"] == pytest.approx(9)
+    assert p["speedup"] == pytest.approx(p["ceiling"]) == pytest.approx((2 + 9) / 9)
+
+
+def test_multiple_learners():
+    # two learners. Arrivals 1, 2, 3 with costs 4, 1, 1: A runs [1, 5]; B runs [2, 3] then [3, 4]
+    p = predict_round(items((1, 4), (2, 1), (3, 1)), learners=2)
+    assert p["stream_s"] == pytest.approx(5)
+    assert p["sync_s"] == pytest.approx(3 + 6 / 2)  # lazy batch split evenly over the learners
+    assert p["async_s"] == pytest.approx(max(3, 3))
+    # four items, two at 0 s and two at 1 s, 2 s each: the late pair waits for a free learner until 2 s
+    assert drain_time(items((0, 2), (0, 2), (1, 2), (1, 2)), learners=2) == pytest.approx(4)
+    assert predict_round(items((0, 2), (0, 2), (1, 2), (1, 2)), learners=2)["sync_s"] == pytest.approx(1 + 4)
+
+
+def test_async_steady_state():
+    # rollout-bound: the period is the makespan; learner-bound: work/L + step; the weight sync adds to both
+    assert predict_round(items((5, 1)), step_s=1, sync_s=0.5)["async_s"] == pytest.approx(5.5)
+    assert predict_round(items((1, 5)), step_s=1, sync_s=0.5)["async_s"] == pytest.approx(6.5)
+
+
+def test_what_if_knobs():
+    its = items((1, 2), (2, 2), (6, 2))
+    assert [i.finished_at_s for i in what_if(its, spread=0)] == [2, 2, 2]
+    assert [i.finished_at_s for i in what_if(its, spread=2)] == [0, 2, 10]  # median 2: 2 + 2*(1-2) = 0
+    assert [i.finished_at_s for i in what_if(its, spread=3)] == [0, 2, 14]  # 2 + 3*(1-2) = -1, clipped at 0
+    assert [i.finished_at_s for i in what_if(its, tool_speed=2)] == [0.5, 1, 3]
+    assert [i.learner_cost_s for i in what_if(its, learner_speed=4)] == [0.5, 0.5, 0.5]
+    with pytest.raises(UsageError, match="--tool-speed"):
+        what_if(its, tool_speed=0)
+
+
+def test_minimal_trace_rounds_and_warmup(tmp_path):
+    p = tmp_path / "t.jsonl"
+    rows = [{"round": r, "finished_at_s": 1.0 * r, "learner_cost_s": 1.0} for r in range(1, 7)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    doc = predict_trace(load_trace(p))
+    assert len(doc["rounds"]) == 6 and doc["rounds_counted"] == [5, 6]
+    assert doc["sync_s"] == pytest.approx((6 + 7) / 2) and doc["stream_s"] == pytest.approx((6 + 7) / 2)
+
+
+def _write_run(d, schedule):
+    """Two rounds of one run: round 5 as in test_two_arrivals (measured 5.0 s), round 6 the same (4.5 s)."""
+    d.mkdir()
+    ev, metrics = [], []
+    for rnd, measured in ((5, 5.0), (6, 4.5)):
+        if schedule == "stream":
+            ev += [{"round": rnd, "event": "item", "id": "a", "finished_at_s": 1.0, "backward_start_s": 1.0,
+                    "backward_end_s": 3.0, "learner_cost_s": 2.0, "loss_tokens": 10, "staleness": 0},
+                   {"round": rnd, "event": "item", "id": "b", "finished_at_s": 3.0, "backward_start_s": 3.0,
+                    "backward_end_s": 4.0, "learner_cost_s": 1.0, "loss_tokens": 5, "staleness": 0}]
+            t = 4.0
+        else:  # one batch backward of 3 s after the last arrival, shared 2:1 by loss_tokens
+            ev += [{"round": rnd, "event": "item", "id": "a", "finished_at_s": 1.0, "learner_cost_s": None,
+                    "loss_tokens": 10},
+                   {"round": rnd, "event": "item", "id": "b", "finished_at_s": 3.0, "learner_cost_s": None,
+                    "loss_tokens": 5},
+                   {"round": rnd, "event": "batch_backward", "start_s": 3.0, "end_s": 6.0, "items": 2, "loss_tokens": 15}]
+            t = 6.0
+        ev += [{"round": rnd, "event": "step", "start_s": t, "end_s": t + 0.5},
+               {"round": rnd, "event": "weight_sync", "start_s": t + 0.5, "end_s": t + 0.75},
+               {"round": rnd, "event": "round_end", "at_s": measured, "learners": 1}]
+        metrics.append({"round": rnd, "schedule": schedule, "step_time_s": measured})
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    return d
+
+
+def test_run_dir_compares_with_measured(tmp_path):
+    doc = predict_trace(load_trace(_write_run(tmp_path / "run", "stream")))
+    assert doc["schedule"] == "stream" and doc["measured_from"] == "metrics.jsonl step_time_s"
+    errs = [r["error_pct"] for r in doc["rounds"]]
+    assert errs == pytest.approx([100 * (4.75 - 5) / 5, 100 * (4.75 - 4.5) / 4.5])
+    assert doc["mean_abs_error_pct"] == pytest.approx((5 + 100 * 0.25 / 4.5) / 2) and doc["error_rows"] == 2
+
+
+def test_sync_trace_shares_batch_backward_by_loss_tokens(tmp_path):
+    trace = load_trace(_write_run(tmp_path / "run", "sync") / "events.jsonl")
+    assert [i.learner_cost_s for i in trace.rounds[0].items] == pytest.approx([2.0, 1.0])
+    doc = predict_trace(trace)
+    assert doc["schedule"] == "sync"
+    assert doc["sync_s"] == pytest.approx(6.75) and doc["stream_s"] == pytest.approx(4.75)
+
+
+def test_what_if_keeps_the_measured_comparison(tmp_path):
+    doc = predict_trace(load_trace(_write_run(tmp_path / "run", "stream")), learner_speed=2)
+    r = doc["rounds"][0]
+    assert r["predicted_s"] == pytest.approx(4.75) and r["as_traced"]["stream_s"] == pytest.approx(4.75)
+    assert r["stream_s"] == pytest.approx(3 + 0.5 + 0.75)  # [1, 2] then [3, 3.5]
+    assert doc["what_if"] == {"learner_speed": 2}
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_two_line_csv_json(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("finished_at_s,learner_cost_s\n1.0,2.0\n3.0,1.0\n")
+    res = runner.invoke(app, ["predict", "--trace", str(p), "--step-s", "0.5", "--sync-s", "0.25", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["sync_s"], doc["stream_s"], doc["async_s"]) == pytest.approx((6.75, 4.75, 3.75))
+    assert doc["speedup"] == pytest.approx(6.75 / 4.75) and "rounds" not in doc
+
+
+def test_cli_human_output_and_help(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("finished_at_s,learner_cost_s\n1.0,2.0\n3.0,1.0\n")
+    res = runner.invoke(app, ["predict", "--trace", str(p), "--learners", "2"])
+    assert res.exit_code == 0 and "speedup sync/stream" in res.stdout and "learners=2" in res.stdout
+    assert runner.invoke(app, ["predict", "--help"]).exit_code == 0
+
+
+@pytest.mark.parametrize("content,msg", [
+    ("finished_at_s\n1.0\n", "trace.csv:2: field 'learner_cost_s': missing"),
+    ("finished_at_s,learner_cost_s\n1.0,-2\n", "must be a finite number >= 0"),
+    ("finished_at_s,learner_cost_s\n1.0,abc\n", "not a number"),
+    ("finished_at_s,learner_cost_s\n", "no rows"),
+])
+def test_cli_bad_trace_exit_2(tmp_path, content, msg):
+    p = tmp_path / "trace.csv"
+    p.write_text(content)
+    res = runner.invoke(app, ["predict", "--trace", str(p)])
+    assert res.exit_code == 2 and msg in res.stderr and len(res.stderr.strip().splitlines()) <= 2
+
+
+def test_cli_bad_flags_exit_2(tmp_path):
+    p = tmp_path / "trace.csv"
+    p.write_text("finished_at_s,learner_cost_s\n1.0,2.0\n")
+    assert runner.invoke(app, ["predict", "--trace", str(p), "--learners", "0"]).exit_code == 2
+    assert runner.invoke(app, ["predict", "--trace", str(tmp_path / "none.csv")]).exit_code == 2

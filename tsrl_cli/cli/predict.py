@@ -1,0 +1,85 @@
+"""`tsrl predict`: the event model of one round (sync, stream, async) from a trace, with what-if knobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from tsrl_cli.errors import UsageError
+
+
+def predict(
+    *,
+    trace: Annotated[str, typer.Option(help="A run directory, an events.jsonl, or a minimal trace: CSV/JSONL rows with finished_at_s, learner_cost_s[, round].")],
+    step_s: Annotated[float | None, typer.Option(help="Optimizer step seconds per round (default: the trace's step events, else 0).")] = None,
+    sync_s: Annotated[float | None, typer.Option(help="Weight sync seconds per round (default: the trace's weight_sync events, else 0).")] = None,
+    learners: Annotated[int | None, typer.Option(help="What if: learner devices (default: the trace's round_end.learners, else 1).")] = None,
+    learner_speed: Annotated[float, typer.Option(help="What if: learners X times faster (item costs / X).")] = 1.0,
+    tool_speed: Annotated[float, typer.Option(help="What if: rollouts X times faster (arrival times / X).")] = 1.0,
+    spread: Annotated[float, typer.Option(help="What if: arrival deviations from the median arrival times X (clipped at 0).")] = 1.0,
+    warmup: Annotated[int, typer.Option(help="Rounds 1..N are warm-up: left out of the summary when later rounds exist.")] = 4,
+    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+) -> None:
+    """Predict step time under sync, stream and async, the speedup (sync / stream) and its ceiling.
+
+    Model: sync = last arrival + work / learners + step + sync; stream = when the FIFO queue drains
+    (each item on the first free learner) + step + sync; async = max(last arrival, work / learners +
+    step) + sync. From a run, it also compares with the measured step time (mean abs % error).
+    """
+    from tsrl_cli.console import console, err_console
+
+    try:
+        from tsrl_cli.predict import load_trace, predict_trace
+
+        res = predict_trace(load_trace(trace), step_s=step_s, sync_s=sync_s, learners=learners,
+                            learner_speed=learner_speed, tool_speed=tool_speed, spread=spread, warmup=warmup)
+    except UsageError as e:
+        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if json_out:
+        typer.echo(json.dumps(res))
+    else:
+        _render(console, res)
+
+
+def _render(console, res: dict) -> None:
+    from rich.table import Table
+
+    def f(x, unit=""):
+        return "–" if x is None else f"{x:.4g}{unit}"
+
+    head = f"tsrl predict: {res['source']} ({res['kind']}" + (f", recorded under {res['schedule']}" if res["schedule"] else "") + ")"
+    console.print(f"[bold]{head}[/bold]", highlight=False, soft_wrap=True)
+    if res["what_if"]:
+        console.print("what if: " + ", ".join(f"{k}={v}" for k, v in res["what_if"].items()), highlight=False)
+    rounds = res.get("rounds", [])
+    if 1 < len(rounds) <= 50:
+        # with what-if knobs the predictions are the what-if's; the error is always the as-traced model's
+        err = "error % (as traced)" if res["what_if"] else "error %"
+        t = Table(title_justify="left")
+        for c in ("round", "items", "sync s", "stream s", "async s", "speedup", "measured s", err):
+            t.add_column(c, justify="right")
+        for r in rounds:
+            t.add_row(str(r["round"]), str(r["items"]), f(r["sync_s"]), f(r["stream_s"]), f(r["async_s"]),
+                      f(r["speedup"]), f(r.get("measured_s")), f(r.get("error_pct")))
+        console.print(t)
+    counted = res["rounds_counted"]
+    what = f"round {counted[0]}" if len(counted) == 1 else f"mean over rounds {counted[0]}-{counted[-1]} ({len(counted)})"
+    t = Table(title=what, show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("rollout makespan", f(res["makespan_s"], " s"))
+    t.add_row("learner work", f"{f(res['work_s'], ' s')} over {res['learners']} learner(s)")
+    t.add_row("step + weight sync", f"{f(res['optimizer_step_s'], ' s')} + {f(res['weight_sync_s'], ' s')}")
+    t.add_row("sync (lazy)", f(res["sync_s"], " s"))
+    t.add_row("stream", f(res["stream_s"], " s"))
+    t.add_row("async (1-step off-policy)", f(res["async_s"], " s"))
+    t.add_row("speedup sync/stream", f"{f(res['speedup'], 'x')}  (ceiling {f(res['ceiling'], 'x')})")
+    if "mean_abs_error_pct" in res:
+        t.add_row("measured vs predicted", f"mean abs error {res['mean_abs_error_pct']:.2f} % over {res['error_rows']} rounds "
+                  f"({res['measured_from']}; the model as traced, without what-if knobs)")
+    console.print(t)
+    if res.get("note"):
+        console.print(f"[dim]{res['note']}[/dim]", highlight=False)

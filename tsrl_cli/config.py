@@ -1,0 +1,347 @@
+"""The training config: frozen dataclasses with defaults in code, an experiment YAML that only
+overrides, `--set a.b=c` on top, explicit CLI flags last.
+
+    defaults (this file)  <  experiments/NAME.yaml  <  --set key=value  <  flags (--seed, --lr ...)
+
+Unknown keys and wrong types are errors (ConfigError, exit 2) that name the key and the valid
+ones. `dump_config` writes the resolved config (every key) as YAML; loading it back gives the same
+config, so a run directory's config.yaml reruns the run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tsrl_cli.errors import UsageError
+
+OBJECTIVES = ("grpo", "opd")
+SCHEDULES = ("sync", "stream", "async")
+DTYPES = ("float32", "float64", "bfloat16")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class ConfigError(UsageError):
+    """An unknown key, a wrong type or an invalid value in the config. Exit 2."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    policy: str = "data/embedded_policy/student"  # HF dir with a ChatML tokenizer, or builtin:toy
+    teacher: str = "data/embedded_policy/teacher"  # OPD only: the fixed teacher that scores turns
+    dtype: str = "float32"  # float32 | float64 | bfloat16: learner, engine and teacher
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: tuple[str, ...] = ("embedded_repair_train", "embedded_terminal_train")  # prepared datasets
+    limit: int | None = None  # first N tasks of each dataset (None: all)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # samples per prompt (a GRPO group)
+    prompts_per_round: int = 4  # groups per round, drawn from the datasets by (seed, round)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int = 8
+    max_turn_tokens: int = 128
+    max_trajectory_tokens: int = 2048
+    tool_timeout_s: float = 10.0
+    wall_clock_s: float = 600.0
+    concurrency: int = 64  # agent sessions at once
+    max_batch: int = 16  # turn requests per engine call
+    batch_invariant: bool = False  # each request alone: bitwise reproducible in float32, slower
+    executor: str = "local"  # sandbox executor: local | docker
+    tool_latency_median_s: float = 0.0  # injected after each tool call (lognormal); 0 = none
+    tool_latency_sigma: float = 0.0  # lognormal spread of the injected latency
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_agg: str = "token-mean"  # see tsrl verify --help
+    adv_norm: str = "group"  # group | center (Dr. GRPO)
+    kl_coef: float = 0.0  # KL to the initial policy; 0 = off
+    kl_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    opd_form: str = "pg"  # pg | k3
+    opd_coef: float = 1.0
+    norm_constant: float | None = None  # seq-mean-token-sum-norm constant
+    global_batch_size: int | None = None  # seq-mean-* denominator (None: non-empty sequences)
+    max_open_groups: int | None = None  # stream: cap on groups holding buffers at once
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """The `async` baseline only (not exact: trains on data from older weights)."""
+
+    max_staleness: int = 1  # rollouts may lag the learner by at most this many versions
+    tis_cap: float | None = None  # truncated importance sampling cap (verl TIS, e.g. 2.0); None = off
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out: str | None = None  # run directory (None: results/<name>/<schedule>/seed<seed>)
+    save_every: int = 0  # checkpoint every K rounds (and round-0); 0 = only at the end
+    save_rollouts: bool = False  # write rollouts.jsonl
+    start_method: str = "forkserver"  # forkserver (workers fork from a preloaded server) | spawn
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    name: str = "embedded_default"
+    objective: str = "grpo"  # grpo | opd
+    schedule: str = "stream"  # sync | stream | async
+    seed: int = 0
+    rounds: int = 10
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def run_dir(self) -> Path:
+        if self.run.out:
+            return Path(self.run.out)
+        return Path("results") / self.name / self.schedule / f"seed{self.seed}"
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check one leaf value against its annotation; lists become tuples; ints are accepted as floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"config key {key}: bad value {value!r}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"config key {key}: expected a list of {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: it needs "1.0e-3"
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"config key {key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key {key}: expected a string, got {value!r}")
+    raise ConfigError(f"config key {key}: unsupported type {_type_name(tp)}")
+
+
+def _unknown(key: str, name: str, valid: list[str]) -> ConfigError:
+    near = difflib.get_close_matches(name, valid, n=1)
+    hint = f"; did you mean {near[0]}?" if near else ""
+    return ConfigError(f"unknown config key {key!r}{hint} (valid here: {', '.join(valid)})")
+
+
+def _merge(obj, overrides: dict, prefix: str = ""):
+    """A copy of dataclass `obj` with the nested `overrides` applied, strictly checked."""
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"config key {prefix.rstrip('.') or '<root>'}: expected a mapping, got {overrides!r}")
+    hints = _hints(type(obj))
+    valid = [f.name for f in fields(obj)]
+    changes = {}
+    for name, value in overrides.items():
+        key = prefix + str(name)
+        if name not in hints:
+            raise _unknown(key, str(name), valid)
+        current = getattr(obj, name)
+        if is_dataclass(current):
+            changes[name] = _merge(current, value, key + ".")
+        else:
+            changes[name] = _coerce(value, hints[name], key)
+    return replace(obj, **changes)
+
+
+def parse_set(item: str) -> dict:
+    """'a.b=c' -> {'a': {'b': <c parsed as YAML>}}; the value is a YAML scalar or list."""
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value (e.g. --set rollout.group_size=4)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: experiment file not found")
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{p}: not valid YAML ({first})") from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{p}: an experiment file is a mapping of config keys")
+    return doc
+
+
+def load_config(
+    experiment: str | Path | None = None,
+    sets: list[str] | tuple[str, ...] = (),
+    flags: dict | None = None,
+) -> TrainConfig:
+    """Resolve the config: defaults < experiment YAML < --set < flags (dotted keys -> values).
+
+    `flags` holds only the flags the user actually gave (None values are ignored).
+    """
+    cfg = TrainConfig()
+    if experiment is not None:
+        cfg = _merge(cfg, read_yaml(experiment))
+    for s in sets:
+        cfg = _merge(cfg, parse_set(s))
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        node: dict = {}
+        top = node
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+        cfg = _merge(cfg, top)
+    return validate_config(cfg)
+
+
+def validate_config(cfg: TrainConfig) -> TrainConfig:
+    """Value checks that types cannot express. The loss settings are checked by Objective.validate."""
+
+    def one_of(key, value, choices):
+        if value not in choices:
+            raise ConfigError(f"config key {key}: {value!r} is not one of {', '.join(choices)}")
+
+    one_of("objective", cfg.objective, OBJECTIVES)
+    one_of("schedule", cfg.schedule, SCHEDULES)
+    one_of("model.dtype", cfg.model.dtype, DTYPES)
+    one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
+    one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))
+    one_of("run.start_method", cfg.run.start_method, ("forkserver", "spawn"))
+    positive = {"rounds": cfg.rounds, "rollout.group_size": cfg.rollout.group_size,
+                "rollout.prompts_per_round": cfg.rollout.prompts_per_round, "rollout.max_turns": cfg.rollout.max_turns,
+                "rollout.concurrency": cfg.rollout.concurrency, "rollout.max_batch": cfg.rollout.max_batch,
+                "rollout.max_turn_tokens": cfg.rollout.max_turn_tokens, "offpolicy.max_staleness": cfg.offpolicy.max_staleness}
+    for k, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"config key {k}: must be >= 1, got {v}")
+    nonneg = {"optim.lr": cfg.optim.lr, "optim.grad_clip": cfg.optim.grad_clip, "run.save_every": cfg.run.save_every,
+              "rollout.tool_latency_median_s": cfg.rollout.tool_latency_median_s,
+              "rollout.tool_latency_sigma": cfg.rollout.tool_latency_sigma, "optim.weight_decay": cfg.optim.weight_decay}
+    for k, v in nonneg.items():
+        if v < 0:
+            raise ConfigError(f"config key {k}: must be >= 0, got {v}")
+    if cfg.offpolicy.tis_cap is not None and cfg.offpolicy.tis_cap <= 0:
+        raise ConfigError(f"config key offpolicy.tis_cap: must be > 0 (or null for off), got {cfg.offpolicy.tis_cap}")
+    if cfg.data.limit is not None and cfg.data.limit < 1:
+        raise ConfigError(f"config key data.limit: must be >= 1 (or null for all), got {cfg.data.limit}")
+    if not cfg.data.train:
+        raise ConfigError("config key data.train: name at least one prepared dataset")
+    if not cfg.name or "/" in cfg.name:
+        raise ConfigError(f"config key name: {cfg.name!r} must be a non-empty name without '/'")
+    return cfg
+
+
+def config_to_dict(cfg) -> dict:
+    """Plain nested dict (tuples as lists), every key included, in field order."""
+
+    def plain(v):
+        if is_dataclass(v):
+            return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
+        if isinstance(v, (tuple, list)):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(cfg)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def config_diff(a: TrainConfig, b: TrainConfig, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys whose values differ (for resume checks)."""
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    fa, fb = flat(config_to_dict(a)), flat(config_to_dict(b))
+    return [k for k in fa if fa[k] != fb.get(k) and not any(k == i or k.startswith(i + ".") for i in ignore)]
+

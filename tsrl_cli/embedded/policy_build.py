@@ -1,0 +1,206 @@
+"""The embedded default policy and teacher: demonstrations -> tokenizer -> SFT -> two checkpoints.
+
+Data (all demonstrations run in real sandboxes of real tasks, with their true final rewards):
+  * every training task of the embedded suite (repair and terminal), with a second, failing or
+    self-corrected demonstration for about half of them (demos.choose_variants);
+  * extra terminal instances of the training families, written with made-up names (pseudo-words and
+    extensions that appear in no split), for SFT only: they teach the model to copy names out of
+    the instruction instead of recalling the training tasks' names (a 15-epoch model trained on the
+    training tasks alone scored 59 % on them and 0 % on held-out tasks, results/LOG.md).
+Models: one SFT run of `teacher_epochs`; the student is the snapshot after `student_epochs` (same
+architecture and tokenizer, trained less), the teacher the final weights ("trained longer" in
+issue 4). Both are saved in bfloat16 (about 7 MB each) and load in any dtype with load_policy.
+Deterministic for a seed on one machine (one torch thread, fixed data order).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from tsrl_cli.embedded.demos import DemoConfig, dataset_tasks, demo_stats, make_demos, train_policy_tokenizer
+from tsrl_cli.embedded.sft import SFTConfig, build_policy_model, encode_demos, num_params, train_sft
+
+POLICY_DIR = "embedded_policy"  # under the data root: student/, teacher/, build.json
+TRAIN_SETS = ("embedded_repair_train", "embedded_terminal_train")
+
+_CONS, _VOWS = "bcdfghjklmnprstvwz", "aeiou"
+AUG_EXTS = ["txt", "csv1", "note", "rec", "data", "conf", "text", "lg", "bk", "dump"]
+
+
+@dataclass(frozen=True)
+class PolicyBuildConfig:
+    seed: int = 0
+    aug_terminal: int = 400  # extra terminal instances (SFT only) with made-up names
+    vocab_size: int = 2048
+    # stage 1: every demonstration (training tasks + made-up-name instances): format and copying
+    stage1_epochs: int = 4
+    # stage 2, from stage 1's bf16 weights: the training tasks' demos plus a share of the extra ones
+    aug_share_stage2: float = 0.25
+    stage2_lr: float = 1e-3
+    student_epochs: int = 2  # the student is stage 2's snapshot after this many epochs ...
+    teacher_epochs: int = 4  # ... the teacher is stage 2's final weights (trained longer)
+    sft: SFTConfig = field(default_factory=SFTConfig)  # its `epochs` and `lr` are set per stage
+    demos: DemoConfig = field(default_factory=lambda: DemoConfig(concurrency=6))
+
+
+def pseudo_words(rng: random.Random, n: int) -> list[str]:
+    """n distinct pronounceable made-up words (2-3 syllables), e.g. 'bozeka', 'tulim'."""
+    out: set[str] = set()
+    while len(out) < n:
+        w = "".join(rng.choice(_CONS) + rng.choice(_VOWS) for _ in range(rng.randint(2, 3)))
+        out.add(w + (rng.choice(_CONS) if rng.random() < 0.5 else ""))
+    return sorted(out)
+
+
+def augment_terminal(root: Path, n: int, seed: int = 0) -> list[tuple[Path, object]]:
+    """Write n terminal tasks of the training families with made-up names under root/tasks/ (not validated:
+    each demonstration's reward is measured anyway); returns (root, TerminalTask) pairs."""
+    from tsrl_cli.datasets.harbor import read_task_dir
+    from tsrl_cli.embedded import terminal_suite as ts
+
+    words = pseudo_words(random.Random(f"tsrl-aug-words:{seed}"), 500)
+    families = ts.SPLIT_FAMILIES["train"]
+    out, seen = [], set()
+    for j in range(n):
+        family = families[j % len(families)]
+        spec = ts.FAMILIES[family](random.Random(f"tsrl-aug-terminal:{seed}:{family}:{j}"), words, AUG_EXTS)
+        if spec.instruction in seen:
+            continue
+        seen.add(spec.instruction)
+        d = root / "tasks" / f"aug-{family.replace('_', '-')}-{j:04d}"
+        ts.write_task(d, spec, family=family, split="train", seed=seed)
+        out.append((root, read_task_dir(d, source="embedded-aug", split="train", rel=str(d.relative_to(root)))))
+    return out
+
+
+def _save_bf16(model, tokenizer, out: Path, info: dict) -> None:
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    m.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "policy.json").write_text(json.dumps(info, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = PolicyBuildConfig(),
+                 progress: Callable[[str], None] = lambda m: None, out_dir: str | Path | None = None,
+                 on_epoch: Callable[[int, object, object], None] | None = None) -> dict:
+    """Build data_root/embedded_policy/{student,teacher}; returns the build record (also build.json).
+
+    on_epoch(epoch, model, tokenizer) runs after every SFT epoch (e.g. to keep every epoch while tuning).
+    """
+    t0 = time.perf_counter()
+    root = Path(data_root)
+    out = Path(out_dir) if out_dir is not None else root / POLICY_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    stage = out / ".stage"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        pairs = [p for name in TRAIN_SETS for p in dataset_tasks(root / name)]
+        aug = augment_terminal(stage, cfg.aug_terminal, cfg.seed)
+        progress(f"demonstrations: {len(pairs)} training tasks + {len(aug)} extra terminal instances")
+        demos = make_demos(pairs + aug, cfg.demos, progress=lambda d, n: progress(f"demonstrations {d}/{n}"))
+        (out / "demos.jsonl.tmp").write_text("".join(json.dumps(d) + "\n" for d in demos))
+        (out / "demos.jsonl.tmp").rename(out / "demos.jsonl")  # kept beside the models: what they were taught
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    t_demos = time.perf_counter() - t0
+    tok = train_policy_tokenizer(demos, cfg.vocab_size)
+    stats = demo_stats(demos, tok)
+    progress(f"tokenizer: vocab {len(tok)}; {stats['demos']} demos, {stats['tokens_mean']} tokens each on average")
+
+    pad = tok.pad_token_id
+    seqs = encode_demos(demos, tok, cfg.sft.max_len)
+    model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed, pad_id=pad,
+                               eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    t1 = time.perf_counter()
+    s1 = SFTConfig(**{**asdict(cfg.sft), "epochs": cfg.stage1_epochs, "seed": cfg.seed})
+    log1 = sft_stage(model, seqs, s1, pad, "stage 1", progress)
+    model = bf16_round_trip(model)  # stage 2 starts from the bf16 checkpoint: what a saved stage 1 would give
+    rng = random.Random(f"tsrl-stage2:{cfg.seed}")
+    keep = [q for d, q in zip(demos, seqs) if not d["task_id"].startswith("aug-") or rng.random() < cfg.aug_share_stage2]
+    s2 = SFTConfig(**{**asdict(cfg.sft), "epochs": cfg.teacher_epochs, "lr": cfg.stage2_lr, "seed": cfg.seed + 1,
+                      "warmup_steps": 10})
+    snapshots: dict[int, dict] = {}
+
+    def epoch_end(e: int) -> None:
+        if e == cfg.student_epochs:
+            snapshots[e] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if on_epoch is not None:
+            on_epoch(e, model, tok)
+
+    log2 = sft_stage(model, keep, s2, pad, "stage 2", progress, epoch_end)
+    t_sft = time.perf_counter() - t1
+    info = {"params": num_params(model), "vocab": len(tok), "sequences": {"stage1": len(seqs), "stage2": len(keep)},
+            "config": _jsonable(cfg), "demo_stats": stats,
+            "epoch_loss": {"stage1": _epoch_losses(log1), "stage2": _epoch_losses(log2)}}
+    _save_bf16(model, tok, out / "teacher", {**info, "role": "teacher", "stage2_epochs": cfg.teacher_epochs})
+    if cfg.student_epochs in snapshots:
+        model.load_state_dict(snapshots[cfg.student_epochs])
+    _save_bf16(model, tok, out / "student", {**info, "role": "student", "stage2_epochs": cfg.student_epochs})
+    record = {**info, "key": build_key(root, cfg), "seconds": {"demos": round(t_demos, 1), "sft": round(t_sft, 1),
+                                  "total": round(time.perf_counter() - t0, 1)}}
+    tmp = out / "build.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.rename(out / "build.json")
+    progress(f"policy: student ({cfg.student_epochs} epochs) and teacher ({cfg.teacher_epochs} epochs) in {out}")
+    return record
+
+
+def build_key(data_root: str | Path, cfg: PolicyBuildConfig) -> str:
+    """What a build depends on: the training sets' content hashes and the config (and the torch version,
+    since SFT is only reproducible bit for bit with the same kernels)."""
+    import hashlib
+
+    from tsrl_cli.datasets.records import read_manifest
+
+    parts = [read_manifest(Path(data_root) / name).get("content_sha256", "") for name in TRAIN_SETS]
+    blob = json.dumps([parts, _jsonable(cfg), torch.__version__.split("+")[0]], sort_keys=True)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def bf16_round_trip(model):
+    """The model with every weight rounded to bfloat16 and back to float32 (as save + load would give)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return model
+
+
+def sft_stage(model, seqs, sft: SFTConfig, pad: int, name: str, progress, epoch_end=None) -> list[dict]:
+    steps = -(-len(seqs) // sft.batch_size) * sft.epochs
+
+    def on_step(rec: dict) -> None:
+        if rec.get("event") == "epoch_end":
+            progress(f"SFT {name}: epoch {rec['epoch'] + 1}/{sft.epochs} done, loss {rec['loss']:.3f} "
+                     f"({rec['seconds']:.0f} s)")
+            if epoch_end is not None:
+                epoch_end(rec["epoch"] + 1)
+        elif rec["step"] % 10 == 0:
+            progress(f"SFT {name}: steps {rec['step']}/{steps}")
+
+    return train_sft(model, seqs, sft, pad_id=pad, progress=on_step)
+
+
+def _epoch_losses(log: list[dict]) -> list[float]:
+    by: dict[int, list[float]] = {}
+    for r in log:
+        by.setdefault(r["epoch"], []).append(r["loss"])
+    return [round(sum(v) / len(v), 4) for _, v in sorted(by.items())]
+
+
+def _jsonable(cfg) -> dict:
+    d = asdict(cfg)
+    d["demos"].pop("limits", None)
+    return json.loads(json.dumps(d, default=str))

@@ -1,0 +1,326 @@
+"""Run the training agent loop on evaluation instances with any engine: records, resume, summary.
+
+The agent loop is the one training uses (agent/loop.py::run_agent), batched through TurnBatcher as
+in training and `tsrl policy probe`. What changes between the embedded suite, Terminal-Bench and
+SWE-bench is only the environment factory (`make_env(job)`) and the patch collector.
+
+Output folder (results/eval/<name>/):
+  config.json    the settings that make records comparable (model, engine, sampling, limits,
+                 executor). A re-run with other settings is refused rather than mixed in.
+  records.jsonl  one JSON line per finished instance x sample x seed, each written with one
+                 write() and flushed as it finishes; a line torn by a crash is dropped on resume.
+  summary.json   resolved rate, n and Wilson 95 % interval per dataset (and per seed when there are
+                 several), written to a temporary file and renamed into place.
+Resume: a job whose key (dataset, instance_id, sample, seed) has a record is not run again, except
+when that record is an environment error (the sandbox or container failed, not the model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.errors import UsageError
+from tsrl_cli.evals.stats import wilson_interval
+
+RECORDS, SUMMARY, CONFIG = "records.jsonl", "summary.json", "config.json"
+# Settings that change what a record means: a resumed run must use the same ones.
+CONFIG_KEYS = ("model", "engine", "temperature", "top_p", "limits", "executor", "label")
+DEFAULT_LIMITS = AgentLimits()  # the limits the embedded policy is trained with
+
+
+@dataclass(frozen=True)
+class Job:
+    """One trajectory to run: a task of a dataset, sample index k, sampling seed."""
+
+    dataset: str  # name in the summary and metrics (the dataset folder's name)
+    dataset_dir: Path
+    task: Any  # RepairTask | TerminalTask
+    sample: int
+    seed: int
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.dataset, self.task.task_id, self.sample, self.seed)
+
+
+def record_key(rec: dict) -> tuple[str, str, int, int]:
+    return (rec["dataset"], rec["instance_id"], int(rec["sample"]), int(rec["seed"]))
+
+
+def make_jobs(datasets: Iterable[tuple[str, Path, list]], samples: int = 1, seeds: Iterable[int] = (0,)) -> list[Job]:
+    """Every (task, sample, seed) of the datasets, dataset by dataset, in task order."""
+    if samples < 1:
+        raise UsageError(f"--samples {samples}: must be >= 1")
+    seeds = list(seeds)
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UsageError(f"--seed {seeds}: give one or more distinct seeds")
+    return [Job(name, Path(d), t, k, s) for name, d, tasks in datasets for s in seeds for t in tasks
+            for k in range(samples)]
+
+
+# -- files -----------------------------------------------------------------------------------------------------
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON to a temporary file next to `path`, then rename it into place (never half a file)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RecordLog:
+    """records.jsonl: append-only; the last record of a key wins when read back."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def load(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):  # a crash mid-write left a torn last line: drop it, its job runs again
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+        latest: dict[tuple, dict] = {}
+        for i, line in enumerate(data[:end].splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                latest[record_key(rec)] = rec
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                raise UsageError(f"{self.path}:{i}: not an evaluation record; move the file away to start over") from None
+        return list(latest.values())
+
+    def append(self, rec: dict) -> None:
+        line = (json.dumps(rec, sort_keys=True, default=str) + "\n").encode()
+        with open(self.path, "ab") as f:  # one write per record: a crash tears at most the last line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def rewrite(self, records: list[dict]) -> None:
+        """Replace the whole file (e.g. after grading filled in `resolved`), via temp + rename."""
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        with os.fdopen(fd, "w") as f:
+            for r in records:
+                f.write(json.dumps(r, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, self.path)
+
+
+def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
+    """Create the output folder, or check that an existing one was run with the same settings."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_path = out / CONFIG
+    if cfg_path.is_file():
+        old = json.loads(cfg_path.read_text())
+        diff = [k for k in CONFIG_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(config.get(k), sort_keys=True)]
+        if diff:
+            k = diff[0]
+            raise UsageError(f"{out} holds records made with other settings ({k}: {old.get(k)!r}, now {config.get(k)!r}); "
+                             "pass another --out, or delete that folder to start over")
+    write_json_atomic(cfg_path, config)
+    return RecordLog(out / RECORDS)
+
+
+# -- running ---------------------------------------------------------------------------------------------------
+
+def _failure(exit_reason: str, resolved: bool | None, reason: str) -> str | None:
+    if resolved:
+        return None
+    if exit_reason == "submitted":
+        return reason or "not resolved"
+    return f"{exit_reason}; {reason}" if reason else exit_reason
+
+
+def run_jobs(
+    engine,
+    tokenizer,
+    jobs: list[Job],
+    *,
+    make_env: Callable[[Job], Any],
+    collect_patch: Callable[[Any, Job], Awaitable[str | None]] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    limits: AgentLimits | Callable[[Job], AgentLimits] = DEFAULT_LIMITS,
+    concurrency: int = 16,
+    max_batch: int = 16,
+    log: RecordLog | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Run every job that has no record yet; return the records of all `jobs`, in job order.
+
+    `engine` is any PolicyEngine (hf, vllm, scripted); one TurnBatcher serves all sessions.
+    An environment that cannot start with a UsageError (no isolation, no image) stops the run.
+    Any other environment failure is recorded with `error: true` and is retried on resume.
+    """
+    from tsrl_cli.agent.loop import run_agent
+    from tsrl_cli.agent.renderer import ChatMLRenderer
+    from tsrl_cli.engines.base import SamplingParams, TurnBatcher
+
+    previous = {record_key(r): r for r in (log.load() if log else [])}
+    todo = [j for j in jobs if j.key not in previous or previous[j.key].get("error")]
+    results: dict[tuple, dict] = {j.key: previous[j.key] for j in jobs if j.key in previous}
+    limits_for = limits if callable(limits) else (lambda job: limits)
+    renderer = ChatMLRenderer(tokenizer)
+
+    def report() -> None:
+        if progress is None:
+            return
+        recs = list(results.values())
+        graded = [r for r in recs if r.get("resolved") is not None]
+        if graded or not recs:
+            tail = f"resolved {sum(bool(r['resolved']) for r in graded)}/{len(graded)}"
+        else:  # SWE-bench: graded later by the harness
+            tail = f"non-empty patches {sum(bool(r.get('patch')) for r in recs)}/{len(recs)}"
+        progress(f"evaluated {len(recs)}/{len(jobs)} ({tail})")
+
+    async def one(job: Job, batcher: TurnBatcher, sem: asyncio.Semaphore) -> None:
+        async with sem:
+            t0 = time.monotonic()
+            env = make_env(job)
+            rec = {"dataset": job.dataset, "instance_id": job.task.task_id, "sample": job.sample, "seed": job.seed,
+                   "kind": job.task.kind, "patch": None, "error": False}
+            try:
+                await env.start()
+                res = await run_agent(
+                    env, batcher.generate, renderer, group_id=job.task.task_id, sample_index=job.sample,
+                    sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=job.seed),
+                    limits=limits_for(job), seed_key=("eval", job.dataset, job.task.task_id, job.sample),
+                )
+                if collect_patch is not None:
+                    rec["patch"] = await collect_patch(env, job)
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the sandbox or container failed: recorded, retried on resume
+                rec.update(reward=None, resolved=False, turns=0, tokens=0, loss_tokens=0, tool_s=0.0, error=True,
+                           exit_reason="env_error", reward_reason="", failure=f"env_error: {type(e).__name__}: {e}")
+            else:
+                graded = res.reward.details.get("graded", True)
+                resolved = bool(res.reward.details.get("resolved", res.reward.reward >= 1.0)) if graded else None
+                rec.update(
+                    reward=float(res.reward.reward) if graded else None, resolved=resolved, turns=res.num_turns,
+                    tokens=len(res.rollout.input_ids), loss_tokens=sum(res.rollout.loss_mask),
+                    tool_s=round(sum(e["duration_s"] for e in res.events if e["event"] == "tool"), 3),
+                    exit_reason=res.exit_reason, reward_reason=res.reward.reason,
+                    failure=_failure(res.exit_reason, resolved, res.reward.reason) if graded else None,
+                )
+            finally:
+                await env.close()
+            rec["duration_s"] = round(time.monotonic() - t0, 3)
+        if log is not None:
+            log.append(rec)
+        results[job.key] = rec
+        report()
+
+    async def main() -> None:
+        batcher = TurnBatcher(engine, max_batch=max_batch)
+        try:
+            sem = asyncio.Semaphore(concurrency)
+            await asyncio.gather(*(one(j, batcher, sem) for j in todo))
+        finally:
+            batcher.close()
+
+    report()
+    if todo:
+        asyncio.run(main())
+    return [results[j.key] for j in jobs]
+
+
+# -- summary ---------------------------------------------------------------------------------------------------
+
+def _part(recs: list[dict]) -> dict:
+    graded = [r for r in recs if r.get("resolved") is not None and not r.get("error")]
+    n, k = len(graded), sum(bool(r["resolved"]) for r in graded)
+    low, high = wilson_interval(k, n)
+    rewards = [r["reward"] for r in graded if r.get("reward") is not None]
+    reasons: dict[str, int] = {}
+    for r in recs:
+        key = str(r.get("exit_reason", "?")).split(":")[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    return {
+        "n": n, "resolved": k, "success": round(k / n, 6) if n else None,
+        "ci95_low": round(low, 6), "ci95_high": round(high, 6),
+        "mean_reward": round(sum(rewards) / len(rewards), 6) if rewards else None,
+        "mean_turns": round(sum(r.get("turns", 0) for r in recs) / len(recs), 3) if recs else None,
+        "mean_tokens": round(sum(r.get("tokens", 0) for r in recs) / len(recs), 1) if recs else None,
+        "errors": sum(bool(r.get("error")) for r in recs),
+        "ungraded": sum(r.get("resolved") is None and not r.get("error") for r in recs),
+        "exit_reasons": dict(sorted(reasons.items())),
+    }
+
+
+def summarize(records: list[dict], *, label: str, datasets: list[str]) -> dict:
+    """Resolved rate, n and Wilson 95 % interval per dataset, per seed when several, and overall.
+
+    n counts graded trajectories (instance x sample x seed); environment errors and ungraded
+    records are left out of n and counted apart, so they can never pass for failures or successes.
+    """
+    out = {"label": label, "datasets": {}}
+    for name in datasets:
+        recs = [r for r in records if r["dataset"] == name]
+        part = _part(recs)
+        seeds = sorted({r["seed"] for r in recs})
+        if len(seeds) > 1:
+            part["per_seed"] = {str(s): _part([r for r in recs if r["seed"] == s]) for s in seeds}
+        out["datasets"][name] = part
+    out["all"] = _part(records)
+    out["metrics"] = eval_metrics(out)
+    return out
+
+
+def eval_metrics(summary: dict) -> dict[str, float]:
+    """Flat metrics for a training run's metrics.jsonl: eval/<dataset>/{success,n,ci95_low,ci95_high}."""
+    m: dict[str, float] = {}
+    for name, d in summary["datasets"].items():
+        m[f"eval/{name}/success"] = d["success"] if d["success"] is not None else float("nan")
+        m[f"eval/{name}/n"] = d["n"]
+        m[f"eval/{name}/ci95_low"] = d["ci95_low"]
+        m[f"eval/{name}/ci95_high"] = d["ci95_high"]
+    return m
+
+
+# -- Docker ----------------------------------------------------------------------------------------------------
+
+def docker_unavailable_reason(timeout_s: float = 20.0) -> str | None:
+    """None when the docker CLI is on PATH and a daemon answers it and the Python SDK; else why not."""
+    exe = shutil.which("docker")
+    if exe is None:
+        return "the docker CLI is not on PATH"
+    try:
+        r = subprocess.run([exe, "version", "--format", "{{.Server.Version}}"], check=False, capture_output=True, text=True,
+                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"`docker version` got no answer from the daemon within {timeout_s:.0f} s"
+    if r.returncode != 0 or not r.stdout.strip():
+        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+        return f"no Docker daemon reachable ({lines[-1] if lines else f'docker version exited {r.returncode}'})"
+    from tsrl_cli.sandbox.docker import docker_unavailable_reason as sdk_reason
+
+    return sdk_reason()  # the sandbox and the swebench harness talk to the daemon through the SDK
+
+
+def require_docker(what: str) -> None:
+    reason = docker_unavailable_reason()
+    if reason:
+        raise UsageError(f"{what} needs Docker, and it is not available here: {reason}. Nothing was run or graded; "
+                         "run it where a Docker daemon answers (`docker info`)")

@@ -1,0 +1,398 @@
+"""`tsrl eval swebench`: the training agent loop in each instance's image, graded by the official harness.
+
+Steps, each checked before the next costs anything:
+  1. inputs: the prepared dataset (`tsrl prepare-data swebench-verified`), the instances, and the rows
+     the harness will grade against;
+  2. Docker: the docker CLI answers `docker version` and the Python SDK pings the daemon, else one
+     line and exit 2, before any model is loaded;
+  3. the swebench package (`pip install -e '.[swebench]'`, major 5);
+  4. rollouts: run_agent in a container of the instance's image (sandbox docker executor), commands
+     run in /testbed with the image's conda env `testbed`; the final diff is `git add -A && git diff
+     --cached <base_commit>` there (what mini-swe-agent submits);
+  5. predictions.jsonl in SWE-bench's format: instance_id, model_name_or_path, model_patch;
+  6. grading: `python -m swebench.harness.run_evaluation` in the output folder (its logs go to
+     <out>/logs/run_evaluation/<run_id>/), then its report is read. Only a score the harness
+     graded is ever printed.
+
+swebench 5.x grades from the rows themselves: each needs `image`, `eval_script`, `log_parser`,
+`eval_type` (the `SWE-bench/SWE-bench_Verified` copy that 5.x reads). Rows with only the classic
+columns (`princeton-nlp/SWE-bench_Verified`) cannot be graded by 5.x: pass --harness-dataset with a
+dataset the harness can read (a hub id, or a .jsonl/.parquet of 5.x rows) in that case.
+`grade_test_log` grades a saved test log through the harness's own parser without Docker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tsrl_cli.agent.loop import AgentLimits, RewardResult
+from tsrl_cli.envs.base import SandboxEnv
+from tsrl_cli.envs.repair import INSTRUCTION
+from tsrl_cli.errors import UsageError
+from tsrl_cli.evals.runner import (
+    SUMMARY,
+    RecordLog,
+    make_jobs,
+    open_out_dir,
+    require_docker,
+    run_jobs,
+    summarize,
+    write_json_atomic,
+)
+from tsrl_cli.sandbox import Limits
+
+HARNESS_MAJOR = 5
+PREDICTIONS = "predictions.jsonl"
+HARNESS_ROWS = "harness_dataset.jsonl"
+TESTBED = "/testbed"
+# SWE-bench images: the repository at /testbed, its environment in conda env `testbed`
+PRELUDE = f"cd {TESTBED} && if [ -f /opt/miniconda3/bin/activate ]; then . /opt/miniconda3/bin/activate testbed >/dev/null 2>&1; fi\n"
+V5_COLUMNS = ("image", "eval_script", "log_parser", "eval_type")
+DEFAULT_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=60.0,
+                             wall_clock_s=3600.0, max_observation_chars=10000)
+
+
+class HarnessError(RuntimeError):
+    """The official harness ran and failed: nothing was graded (the CLI exits 1)."""
+
+
+def label(version: str | None) -> str:
+    return f"SWE-bench (tsrl agent loop; graded by the official swebench {version or '?'} harness)"
+
+
+def require_swebench() -> str:
+    """The installed swebench version, or UsageError saying how to install the pinned major."""
+    try:
+        import swebench
+    except ImportError:
+        raise UsageError("grading needs the swebench package: pip install -e '.[swebench]' "
+                         f"(swebench {HARNESS_MAJOR}.x), or pass --no-grade to only write predictions") from None
+    v = getattr(swebench, "__version__", "?")
+    if not v.startswith(f"{HARNESS_MAJOR}."):
+        raise UsageError(f"swebench {v} is installed; tsrl grades with swebench {HARNESS_MAJOR}.x "
+                         "(pip install -e '.[swebench]')")
+    return v
+
+
+# -- rows and predictions ------------------------------------------------------------------------------------
+
+def harness_row(task) -> dict:
+    """A prepared RepairTask as the SWE-bench row it came from (classic columns + 5.x columns)."""
+    m = task.meta or {}
+    return {
+        "instance_id": task.task_id, "repo": task.repo, "base_commit": task.base_ref, "patch": task.gold_patch,
+        "test_patch": task.test_patch, "problem_statement": task.problem_statement,
+        "hints_text": m.get("hints_text", ""), "created_at": m.get("created_at", ""), "version": m.get("version", ""),
+        "environment_setup_commit": m.get("environment_setup_commit", ""),
+        "FAIL_TO_PASS": json.dumps(task.fail_to_pass), "PASS_TO_PASS": json.dumps(task.pass_to_pass),
+        "image": task.image, "eval_script": task.eval_script, "log_parser": task.log_parser, "eval_type": task.eval_type,
+    }
+
+
+def check_row_columns(rows: list[dict], where: str) -> None:
+    """UsageError unless every row carries what swebench 5.x grades from (no package needed)."""
+    for r in rows:
+        missing = [k for k in V5_COLUMNS if not r.get(k)]
+        if missing:
+            raise UsageError(f"{where}: instance {r['instance_id']} has no {', '.join(missing)}: swebench "
+                             f"{HARNESS_MAJOR}.x grades from rows that carry them (prepare SWE-bench/SWE-bench_Verified, "
+                             "or pass --harness-dataset NAME_OR_FILE)")
+        if ">>>>> Start Test Output" not in r["eval_script"] or ">>>>> End Test Output" not in r["eval_script"]:
+            raise UsageError(f"{where}: instance {r['instance_id']}: eval_script lacks the harness's test output markers")
+
+
+def check_row_parsers(rows: list[dict], where: str) -> None:
+    """UsageError unless every row names a swebench log parser and eval type (needs the package)."""
+    from swebench.harness.constants import EvalType
+    from swebench.harness.log_parsers import PARSER_REGISTRY
+
+    for r in rows:
+        if r["log_parser"] not in PARSER_REGISTRY:
+            raise UsageError(f"{where}: instance {r['instance_id']}: log_parser {r['log_parser']!r} is not a swebench "
+                             "parser (e.g. parse_log_pytest)")
+        if r["eval_type"] not in {e.value for e in EvalType}:
+            raise UsageError(f"{where}: instance {r['instance_id']}: eval_type {r['eval_type']!r} is unknown")
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    RecordLog(path).rewrite(rows)
+
+
+def predictions_from_records(records: list[dict], model_name: str) -> list[dict]:
+    """One prediction per instance (sample 0 of the first seed): SWE-bench's three keys."""
+    return [{"instance_id": r["instance_id"], "model_name_or_path": model_name, "model_patch": r.get("patch") or ""}
+            for r in records]
+
+
+def read_predictions(path: str | Path) -> list[dict]:
+    """Predictions from .jsonl or .json (list or {id: prediction}); UsageError naming the line and field."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--grade-only {path}: no such file")
+    if p.suffix not in (".jsonl", ".json"):
+        raise UsageError(f"--grade-only {path}: the harness reads .jsonl or .json predictions")
+    try:
+        if p.suffix == ".json":
+            doc = json.loads(p.read_text())
+            preds = list(doc.values()) if isinstance(doc, dict) else doc
+            where = [f"{p}: entry {i}" for i in range(len(preds))] if isinstance(preds, list) else []
+        else:
+            lines = [(i, ln) for i, ln in enumerate(p.read_text().splitlines(), 1) if ln.strip()]
+            preds, where = [json.loads(ln) for _, ln in lines], [f"{p}:{i}" for i, _ in lines]
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(preds, list) or not preds:
+        raise UsageError(f"{p}: no predictions")
+    seen = set()
+    for w, pr in zip(where, preds, strict=True):
+        if not isinstance(pr, dict):
+            raise UsageError(f"{w}: a prediction must be an object")
+        for k in ("instance_id", "model_name_or_path"):
+            if not isinstance(pr.get(k), str) or not pr[k]:
+                raise UsageError(f"{w}: field {k!r}: missing or not a string")
+        if pr.get("model_patch") is not None and not isinstance(pr["model_patch"], str):
+            raise UsageError(f"{w}: field 'model_patch': not a string")
+        if pr["instance_id"] in seen:
+            raise UsageError(f"{w}: instance {pr['instance_id']} predicted twice")
+        seen.add(pr["instance_id"])
+    if len({pr["model_name_or_path"] for pr in preds}) > 1:
+        raise UsageError(f"{p}: several model_name_or_path values; the harness reports one model per run")
+    return preds
+
+
+# -- grading -------------------------------------------------------------------------------------------------
+
+def harness_command(dataset_name: str, predictions: Path, run_id: str, out_dir: Path, *, workers: int = 4,
+                    timeout_s: int = 1800, instance_ids: list[str] | None = None) -> list[str]:
+    """The official harness's command line (swebench 5.x `run_evaluation` flags), run with cwd = out_dir."""
+    cmd = [sys.executable, "-m", "swebench.harness.run_evaluation", "--dataset_name", dataset_name, "--split", "test",
+           "--predictions_path", str(Path(predictions).resolve()), "--max_workers", str(workers), "--run_id", run_id,
+           "--timeout", str(timeout_s), "--report_dir", str(Path(out_dir).resolve())]
+    return cmd + (["--instance_ids", *instance_ids] if instance_ids else [])
+
+
+def report_path(out_dir: Path, model_name: str, run_id: str) -> Path:
+    """Where make_run_report writes: <report_dir>/<model_name_or_path, / as __>.<run_id>.json."""
+    return Path(out_dir) / f"{model_name.replace('/', '__')}.{run_id}.json"
+
+
+def grade(predictions: Path, dataset_name: str, out_dir: Path, *, run_id: str, workers: int = 4,
+          timeout_s: int = 1800, instance_ids: list[str] | None = None,
+          progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Run the official harness on a predictions file; return its run report (resolved_ids, ...).
+
+    The harness's own output goes to <out>/harness.log; its per-instance logs to <out>/logs/.
+    """
+    preds = read_predictions(predictions)
+    cmd = harness_command(dataset_name, predictions, run_id, out_dir, workers=workers, timeout_s=timeout_s,
+                          instance_ids=instance_ids)
+    progress(f"grading {len(preds)} prediction(s) with the swebench harness (log: {Path(out_dir) / 'harness.log'})")
+    with open(Path(out_dir) / "harness.log", "ab") as logf:
+        logf.write(("$ " + shlex.join(cmd) + "\n").encode())
+        logf.flush()
+        rc = subprocess.run(cmd, check=False, cwd=out_dir, stdout=logf, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL).returncode
+    rep = report_path(out_dir, preds[0]["model_name_or_path"], run_id)
+    if rc != 0 or not rep.is_file():
+        raise HarnessError(f"the swebench harness failed (exit code {rc}, no report at {rep}); see "
+                           f"{Path(out_dir) / 'harness.log'}. Nothing was graded")
+    return json.loads(rep.read_text())
+
+
+def grade_test_log(row: dict, prediction: dict, log_path: str | Path) -> dict:
+    """Grade one saved test log (the harness's test_output.txt) with swebench's own parser and rules.
+
+    No Docker: this is `swebench.harness.grading.get_eval_report` on `make_test_spec(row)`.
+    Returns the per-instance report: patch_exists, patch_successfully_applied, resolved, tests_status.
+    """
+    from swebench.harness.grading import get_eval_report
+    from swebench.harness.utils import make_test_spec
+
+    spec = make_test_spec(row)
+    return get_eval_report(spec, prediction, str(log_path), include_tests_status=True)[prediction["instance_id"]]
+
+
+def summary_from_report(report: dict, instance_ids: list[str], dataset: str, label_: str) -> dict:
+    """Resolved rate over the instances we predicted (empty patches and harness errors count as
+    unresolved, as in SWE-bench), with the harness's own counts kept beside it."""
+    resolved = set(report.get("resolved_ids", []))
+    records = [{"dataset": dataset, "instance_id": i, "sample": 0, "seed": 0, "resolved": i in resolved,
+                "reward": float(i in resolved)} for i in instance_ids]
+    s = summarize(records, label=label_, datasets=[dataset])
+    s["harness"] = {k: report.get(k) for k in ("total_instances", "submitted_instances", "completed_instances",
+                                                 "resolved_instances", "unresolved_instances", "empty_patch_instances",
+                                                 "error_instances", "infra_failure_instances", "error_ids",
+                                                 "schema_version")}
+    return s
+
+
+# -- the environment -----------------------------------------------------------------------------------------
+
+class SWEbenchEnv(SandboxEnv):
+    """The agent in a container of the instance's image; grading is the harness's job, not this env's."""
+
+    def __init__(self, task, *, limits: Limits | None = None):
+        super().__init__(executor="docker", limits=limits)
+        self.task, self.task_id, self.image, self.start_path = task, task.task_id, task.image, None
+        self.instruction = INSTRUCTION.format(problem=task.problem_statement.strip())
+
+    def exec(self, command: str, timeout_s: float, mounts=None):
+        return super().exec(PRELUDE + command, timeout_s, mounts)
+
+    async def reward(self) -> RewardResult:
+        return RewardResult(0.0, "graded by the swebench harness", {"graded": False})
+
+    async def patch(self) -> str:
+        cmd = f"git add -A && git diff --cached --no-color {shlex.quote(self.task.base_ref)}"
+        res = await asyncio.to_thread(self.exec, cmd, 300.0)
+        if res.exit_code != 0 or res.limit:
+            raise RuntimeError(f"`{cmd}` failed (exit {res.exit_code}, limit {res.limit}): {res.stderr.strip()[-200:]}")
+        if res.truncated:
+            raise RuntimeError("the final diff is larger than the sandbox's output cap")
+        return res.stdout
+
+
+async def _swebench_patch(env: SWEbenchEnv, job) -> str:
+    return await env.patch()
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "data/swebench_verified",
+                 instances: list[str] | None = None, workers: int = 4, temperature: float = 0.0,
+                 max_turns: int | None = None, out_dir: str | Path | None = None, grade_only: str | None = None,
+                 harness_dataset: str | None = None, no_grade: bool = False, timeout_s: int = 1800,
+                 progress: Callable[[str], None] = lambda m: None) -> dict:
+    """`tsrl eval swebench`: rollouts -> predictions.jsonl -> official harness -> summary (see module docstring)."""
+    if grade_only is not None:
+        return _grade_only(grade_only, harness_dataset or dataset, out_dir, workers, timeout_s, instances, progress)
+    if not model:
+        raise UsageError("--model DIR_OR_ID is required (or --grade-only PREDICTIONS)")
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: must be >= 1")
+    from tsrl_cli.evals.embedded import load_datasets
+
+    name, d, tasks = load_datasets([dataset], hint="run `tsrl prepare-data swebench-verified` first")[0]
+    if any(t.kind != "repair" for t in tasks):
+        raise UsageError(f"{dataset}: not a repair dataset")
+    if instances:
+        by_id = {t.task_id: t for t in tasks}
+        unknown = [i for i in instances if i not in by_id]
+        if unknown:
+            raise UsageError(f"--instances: {', '.join(unknown[:3])} not in {dataset}")
+        tasks = [by_id[i] for i in instances]
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-{Path(model).name}"
+    rows = None if (no_grade or harness_dataset) else [harness_row(t) for t in tasks]
+    if rows:
+        check_row_columns(rows, dataset)  # before Docker: a fix the user can make anywhere
+    require_docker("tsrl eval swebench")  # before any model is loaded
+    version = None if no_grade else require_swebench()
+    if rows:
+        check_row_parsers(rows, dataset)
+
+    limits = DEFAULT_LIMITS if max_turns is None else AgentLimits(**{**DEFAULT_LIMITS.__dict__, "max_turns": max_turns})
+    config = {"model": model, "engine": engine, "temperature": temperature, "top_p": 1.0,
+              "limits": dict(limits.__dict__), "executor": "docker", "label": label(version)}
+    log = open_out_dir(out, config)
+    harness_ds = harness_dataset
+    if rows:
+        write_jsonl(out / HARNESS_ROWS, rows)
+        harness_ds = str((out / HARNESS_ROWS).resolve())
+    pol, tok = load_engine(model, engine)
+    t0 = time.perf_counter()
+    jobs = make_jobs([(name, d, tasks)], samples=1, seeds=(0,))
+    records = run_jobs(pol, tok, jobs, make_env=lambda j: SWEbenchEnv(j.task), collect_patch=_swebench_patch,
+                       temperature=temperature, limits=limits, concurrency=workers, max_batch=max(8, workers),
+                       log=log, progress=progress)
+    preds = predictions_from_records([r for r in records if not r.get("error")], model)
+    write_jsonl(out / PREDICTIONS, preds)
+    base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,
+            "errors": [r["instance_id"] for r in records if r.get("error")]}
+    if no_grade or not preds:
+        s = summarize(records, label=label(version), datasets=[name])
+        s.update(base, graded=False, wall_s=round(time.perf_counter() - t0, 1))
+        write_json_atomic(out / SUMMARY, s)
+        return s
+    report = grade(out / PREDICTIONS, harness_ds, out, run_id=out.name,
+                   workers=workers, timeout_s=timeout_s, instance_ids=[p["instance_id"] for p in preds], progress=progress)
+    resolved = set(report.get("resolved_ids", []))
+    for r in records:
+        if not r.get("error"):
+            r["resolved"], r["reward"] = r["instance_id"] in resolved, float(r["instance_id"] in resolved)
+    _rewrite_graded(log, records)
+    s = summarize(records, label=label(version), datasets=[name])
+    s.update(base, graded=True, harness={k: report.get(k) for k in ("resolved_instances", "unresolved_instances",
+                                                                      "empty_patch_instances", "error_instances",
+                                                                      "error_ids", "schema_version")},
+             wall_s=round(time.perf_counter() - t0, 1))
+    write_json_atomic(out / SUMMARY, s)
+    return s
+
+
+def _rewrite_graded(log: RecordLog, records: list[dict]) -> None:
+    """records.jsonl with `resolved` from the harness (other records in the file kept as they were)."""
+    by_key = {(r["dataset"], r["instance_id"], r["sample"], r["seed"]): r for r in records}
+    old = log.load()
+    log.rewrite([by_key.get((r["dataset"], r["instance_id"], r["sample"], r["seed"]), r) for r in old])
+
+
+def _grade_only(predictions: str, dataset: str, out_dir, workers: int, timeout_s: int, instances, progress) -> dict:
+    preds = read_predictions(predictions)
+    if instances:
+        preds = [p for p in preds if p["instance_id"] in set(instances)]
+        if not preds:
+            raise UsageError(f"--instances: none of them is in {predictions}")
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-grade-{Path(predictions).stem}"
+    rows = None
+    if Path(dataset).is_dir():  # a prepared tsrl dataset: hand the harness its rows
+        from tsrl_cli.evals.embedded import load_datasets
+
+        _, _, tasks = load_datasets([dataset], hint="run `tsrl prepare-data swebench-verified` first")[0]
+        by_id = {t.task_id: t for t in tasks}
+        unknown = [p["instance_id"] for p in preds if p["instance_id"] not in by_id]
+        if unknown:
+            raise UsageError(f"{predictions}: instance {unknown[0]} is not in {dataset}")
+        rows = [harness_row(by_id[p["instance_id"]]) for p in preds]
+        check_row_columns(rows, dataset)
+    require_docker("tsrl eval swebench --grade-only")
+    version = require_swebench()
+    out.mkdir(parents=True, exist_ok=True)
+    harness_ds = dataset
+    if rows:
+        check_row_parsers(rows, dataset)
+        write_jsonl(out / HARNESS_ROWS, rows)
+        harness_ds = str((out / HARNESS_ROWS).resolve())
+    sub = out / PREDICTIONS
+    if Path(predictions).resolve() != sub.resolve():
+        write_jsonl(sub, preds)
+    t0 = time.perf_counter()
+    report = grade(sub, harness_ds, out, run_id=out.name, workers=workers, timeout_s=timeout_s,
+                   instance_ids=[p["instance_id"] for p in preds], progress=progress)
+    s = summary_from_report(report, [p["instance_id"] for p in preds], "swebench", label(version))
+    s.update(out=str(out), predictions=str(sub), graded=True, wall_s=round(time.perf_counter() - t0, 1))
+    write_json_atomic(out / SUMMARY, s)
+    return s
+
+
+def load_engine(model: str, engine: str):
+    """(PolicyEngine, tokenizer) for a model directory or hub id: `hf` (transformers) or `vllm`."""
+    if engine == "hf":
+        from tsrl_cli.embedded.sft import load_policy
+        from tsrl_cli.engines.hf import HFEngine
+
+        m, tok = load_policy(model)
+        return HFEngine(m, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0), tok
+    if engine == "vllm":
+        from transformers import AutoTokenizer
+
+        from tsrl_cli.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model), AutoTokenizer.from_pretrained(model)
+    raise UsageError(f"--engine {engine!r}: use hf or vllm")

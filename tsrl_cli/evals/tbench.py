@@ -1,0 +1,210 @@
+"""`tsrl eval tbench`: Harbor-format terminal tasks (Terminal-Bench 2.x layout) with tsrl's agent loop.
+
+Each task runs in its environment, then its `tests/test.sh` writes /logs/verifier/reward.txt or
+reward.json (envs/terminal.py). Executors:
+  docker  the task's prebuilt image (`docker_image` in task.toml); commands run in the Dockerfile's
+          WORKDIR (default /app). Tasks that only ship a Dockerfile need their image built first,
+          or --via-harbor, which builds it. Needs a Docker daemon (else exit 2, nothing run).
+  local   a copy of environment/ at /app in the local sandbox: right for tasks whose environment
+          is plain files (the embedded suite), an approximation otherwise. Never a
+          Terminal-Bench score, and labelled so.
+--via-harbor hands the run to the `harbor` CLI (its own Python >= 3.12 environment) with tsrl's
+policy served at an OpenAI-compatible endpoint (e.g. `vllm serve DIR --served-model-name
+tsrl-policy`). Harbor runs its own agent (terminus-2 by default) with its own prompts, not tsrl's
+agent loop, and scores the trials itself: tsrl reports its exit code and where its results are,
+never a score of its own for that run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.envs.terminal import TerminalEnv
+from tsrl_cli.errors import UsageError
+from tsrl_cli.evals.runner import (
+    SUMMARY,
+    make_jobs,
+    open_out_dir,
+    require_docker,
+    run_jobs,
+    summarize,
+    write_json_atomic,
+)
+
+DOCKER_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=180.0,
+                            wall_clock_s=900.0, max_observation_chars=10000)
+HARBOR_HELP = (
+    "`harbor` is not on PATH. Install it in its own Python >= 3.12 environment (`uv tool install harbor`, or "
+    "`python3.12 -m venv ~/.harbor && ~/.harbor/bin/pip install harbor` and put ~/.harbor/bin on PATH), serve the "
+    "policy at an OpenAI-compatible endpoint (`vllm serve MODEL_DIR --served-model-name tsrl-policy --port 8000`), "
+    "then rerun with --via-harbor --endpoint http://127.0.0.1:8000/v1"
+)
+
+
+def label(name: str, source: str, executor: str) -> str:
+    if executor == "local":
+        return f"{name}: Harbor-format tasks in the local sandbox (not Terminal-Bench)"
+    if source == "terminal-bench":
+        return f"{name}: Terminal-Bench tasks in their Docker images, tsrl agent loop (not the official Harbor harness)"
+    return f"{name}: Harbor-format tasks in their Docker images (not Terminal-Bench)"
+
+
+def image_workdir(environment_dir: Path, default: str = "/app") -> str:
+    """The last WORKDIR of environment/Dockerfile (Harbor images work in /app), else `default`."""
+    df = Path(environment_dir) / "Dockerfile"
+    if not df.is_file():
+        return default
+    found = re.findall(r"^\s*WORKDIR\s+(\S+)\s*$", df.read_text(errors="replace"), flags=re.MULTILINE | re.IGNORECASE)
+    return found[-1] if found and found[-1].startswith("/") else default
+
+
+class DockerTerminalEnv(TerminalEnv):
+    """TerminalEnv in the task's image, every command (the verifier's too) run in the image's WORKDIR."""
+
+    def __init__(self, task, dataset_dir, **kw):
+        super().__init__(task, dataset_dir, executor="docker", **kw)
+        self.workdir = image_workdir(self.start_path)
+
+    def exec(self, command: str, timeout_s: float, mounts=None):
+        return super().exec(f"cd {self.workdir} && {command}", timeout_s, mounts)
+
+
+def _select(dataset: str, limit: int | None, instances: list[str] | None):
+    from tsrl_cli.datasets.records import read_manifest
+    from tsrl_cli.evals.embedded import load_datasets
+
+    name, d, tasks = load_datasets([dataset], None, hint="prepare it with `tsrl prepare-data terminal-bench --from DIR` "
+                                   "(or `tsrl prepare-data embedded`)")[0]
+    if any(t.kind != "terminal" for t in tasks):
+        raise UsageError(f"{dataset}: not a terminal-task dataset")
+    if instances:
+        by_id = {t.task_id: t for t in tasks}
+        unknown = [i for i in instances if i not in by_id]
+        if unknown:
+            raise UsageError(f"--instances: {', '.join(unknown[:3])} not in {dataset}")
+        tasks = [by_id[i] for i in instances]
+    return name, d, tasks[:limit] if limit else tasks, read_manifest(d).get("source", "?")
+
+
+def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", engine: str = "hf", samples: int = 1,
+               seeds: tuple[int, ...] = (0,), temperature: float = 0.0, max_turns: int | None = None,
+               limit: int | None = None, instances: list[str] | None = None, out_dir: str | Path | None = None,
+               workers: int = 16, policy=None, progress: Callable[[str], None] | None = None) -> dict:
+    """Run tsrl's agent loop on each task in its environment, score with tests/test.sh, summarize.
+
+    `policy` = (engine, tokenizer) skips loading `model` (tests pass a scripted engine).
+    """
+    name, d, tasks, source = _select(dataset, limit, instances)
+    if executor == "docker":
+        no_image = [t.task_id for t in tasks if not t.docker_image]
+        if no_image:
+            raise UsageError(f"{len(no_image)} task(s) have no prebuilt docker_image (e.g. {no_image[0]}); the docker executor "
+                             "does not build images: build them and set [environment] docker_image, or use --via-harbor")
+        require_docker("tsrl eval tbench --executor docker")
+        base = DOCKER_LIMITS
+    elif executor == "local":
+        base = AgentLimits()  # the limits the embedded policy is trained with
+    else:
+        raise UsageError(f"--executor {executor!r}: use docker or local")
+    if policy is None and not model:
+        raise UsageError("--model DIR_OR_ID is required")
+    if max_turns is not None:
+        base = replace(base, max_turns=max_turns)
+
+    def limits_for(job):
+        t = job.task.agent_timeout_s
+        return replace(base, wall_clock_s=float(t)) if executor == "docker" and t else base
+
+    lab = label(name, source, executor)
+    model_name = model or "<given engine>"
+    config = {"model": model_name, "engine": engine if policy is None else type(policy[0]).__name__,
+              "temperature": temperature, "top_p": 1.0, "limits": asdict(base), "executor": executor, "label": lab}
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-{name}-{Path(model_name).name}"
+    log = open_out_dir(out, config)
+    if policy is None:
+        from tsrl_cli.evals.swebench import load_engine
+
+        policy = load_engine(model, engine)
+    pol, tok = policy
+
+    def make_env(job):
+        if executor == "docker":
+            return DockerTerminalEnv(job.task, job.dataset_dir)
+        return TerminalEnv(job.task, job.dataset_dir, executor="local")
+
+    t0 = time.perf_counter()
+    records = run_jobs(pol, tok, make_jobs([(name, d, tasks)], samples, seeds), make_env=make_env, temperature=temperature,
+                       limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress)
+    s = summarize(records, label=lab, datasets=[name])
+    s.update(config=config, samples=samples, seeds=list(seeds), out=str(out), wall_s=round(time.perf_counter() - t0, 1))
+    write_json_atomic(out / SUMMARY, s)
+    return s
+
+
+# -- --via-harbor --------------------------------------------------------------------------------------------
+
+def harbor_command(task_root: str | Path, *, served_model: str, endpoint: str, jobs_dir: str | Path, job_name: str,
+                   agent: str = "terminus-2", env: str = "docker", workers: int = 4,
+                   include: list[str] | None = None, harbor: str = "harbor") -> list[str]:
+    """`harbor run` on a local folder of Harbor tasks, the model reached through litellm's `openai/`
+    provider at `endpoint` (passed to the agent as api_base)."""
+    cmd = [harbor, "run", "--path", str(task_root), "--agent", agent, "--model", f"openai/{served_model}",
+           "--agent-kwarg", f"api_base={endpoint}", "--n-concurrent", str(workers), "--env", env,
+           "--jobs-dir", str(jobs_dir), "--job-name", job_name]
+    for t in include or []:
+        cmd += ["--include-task-name", t]
+    return cmd
+
+
+def endpoint_unreachable_reason(endpoint: str, timeout_s: float = 5.0) -> str | None:
+    """None when GET <endpoint>/models answers (an OpenAI-compatible server), else why not."""
+    url = endpoint.rstrip("/") + "/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return None if r.status == 200 else f"GET {url} answered {r.status}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"GET {url} failed: {getattr(e, 'reason', e)}"
+
+
+def run_via_harbor(*, dataset: str, served_model: str, endpoint: str, agent: str = "terminus-2", env: str = "docker",
+                   workers: int = 4, limit: int | None = None, instances: list[str] | None = None,
+                   out_dir: str | Path | None = None) -> dict:
+    """Delegate to `harbor run` (see module docstring); returns the command, its exit code, its jobs folder."""
+    name, d, tasks, _ = _select(dataset, limit, instances)
+    tb1 = [t.task_id for t in tasks if t.format != "harbor"]
+    if tb1:
+        raise UsageError(f"{len(tb1)} task(s) are Terminal-Bench 1.x (e.g. {tb1[0]}); harbor runs Harbor-format tasks")
+    exe = shutil.which("harbor")
+    if exe is None:
+        raise UsageError(HARBOR_HELP)
+    if env == "docker":
+        require_docker("harbor --env docker")
+    reason = endpoint_unreachable_reason(endpoint)
+    if reason:
+        raise UsageError(f"no OpenAI-compatible server at {endpoint} ({reason}); serve the policy first, e.g. "
+                         f"`vllm serve MODEL_DIR --served-model-name {served_model} --port 8000`")
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-harbor-{name}-{served_model}"
+    out.mkdir(parents=True, exist_ok=True)
+    job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    subset = [t.task_id for t in tasks] if (limit or instances) else None
+    cmd = harbor_command(d / "tasks", served_model=served_model, endpoint=endpoint, jobs_dir=out / "harbor",
+                         job_name=job_name, agent=agent, env=env, workers=workers, include=subset, harbor=exe)
+    # litellm's openai provider wants a key even when the local server ignores it
+    proc_env = {**os.environ, "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "EMPTY")}
+    rc = subprocess.run(cmd, check=False, env=proc_env, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL).returncode
+    res = {"via": "harbor", "label": f"{name} via harbor ({agent} agent, scored by harbor)", "command": cmd,
+           "exit_code": rc, "jobs_dir": str(out / "harbor" / job_name),
+           "note": "scores are harbor's own (its printed table and result.json in jobs_dir); tsrl does not re-score them"}
+    write_json_atomic(out / "harbor_run.json", res)
+    return res

@@ -1,0 +1,324 @@
+"""The event model of one round: step time under sync, stream and async, from a trace.
+
+A round is items (trajectories for GRPO, teacher-scored turns for OPD) reaching the learner at
+`finished_at_s` (seconds since the round started), each needing `learner_cost_s` seconds of
+learner work, then one optimizer step (`step_s`) and one weight sync (`sync_s`). With L learners:
+
+  sync   = M + W/L + step + sync   lazy baseline: no backward starts before the last arrival M;
+                                   the batch backward (W = total work) splits evenly over L learners
+  stream = D + step + sync         D: when the queue drains, each item starting at
+                                   max(arrival, its learner free) on the first free learner, FIFO
+  async  = max(M, W/L + step) + sync   one-step off-policy steady state: round k+1's rollout overlaps
+                                   round k's learning; the weight sync blocks both sides
+  speedup = sync / stream <= ceiling = (M + W/L + s) / (max(M, W/L) + s), s = step + sync,
+  since D >= M and D >= W/L. With s = 0 the ceiling is 2 at balance (W/L == M), (M+W)/M when
+  rollout dominates and (M+W)/W when learning does.
+
+Traces: a run directory (events.jsonl + metrics.jsonl, docs/run-directory.md), an events.jsonl,
+or the minimal trace (CSV or JSONL rows with finished_at_s, learner_cost_s, optional round).
+Pure python: no torch, no numpy.
+
+    tsrl predict --trace results/spread/stream/seed42 --json
+    tsrl predict --trace trace.csv --step-s 0.5 --learners 2 --spread 2
+"""
+
+from __future__ import annotations
+
+import csv
+import heapq
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsrl_cli.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Item:
+    finished_at_s: float  # arrival at the learner, seconds since the round started
+    learner_cost_s: float  # seconds of learner work (forward + backward) for this item
+
+
+@dataclass(frozen=True)
+class RoundTrace:
+    round: int
+    items: tuple[Item, ...]
+    step_s: float | None = None  # optimizer step seconds (None: not in the trace)
+    sync_s: float | None = None  # weight sync seconds
+    learners: int | None = None
+    measured_step_s: float | None = None  # the run's own step time, when the trace comes from a run
+
+
+@dataclass(frozen=True)
+class Trace:
+    source: str
+    kind: str  # run | events | minimal
+    schedule: str | None  # the schedule the trace was recorded under (None: minimal trace)
+    rounds: tuple[RoundTrace, ...]
+    measured_from: str | None = None
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1) -> float:
+    """When the last item's work ends, each item on the first free learner, in arrival order."""
+    free = [(0.0, k) for k in range(learners)]  # (time the learner is free, learner index)
+    end = 0.0
+    for it in sorted(items, key=lambda i: i.finished_at_s):
+        t_free, k = heapq.heappop(free)
+        done = max(it.finished_at_s, t_free) + it.learner_cost_s
+        heapq.heappush(free, (done, k))
+        end = max(end, done)
+    return end
+
+
+def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1) -> dict:
+    """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling."""
+    makespan = max((i.finished_at_s for i in items), default=0.0)
+    work = sum(i.learner_cost_s for i in items)
+    per_learner = work / learners
+    t_sync = makespan + per_learner + step_s + sync_s
+    t_stream = drain_time(items, learners) + step_s + sync_s
+    t_async = max(makespan, per_learner + step_s) + sync_s
+    s = step_s + sync_s
+    bound = max(makespan, per_learner) + s
+    return {
+        "items": len(items), "learners": learners, "makespan_s": makespan, "work_s": work,
+        "optimizer_step_s": step_s, "weight_sync_s": sync_s,
+        "sync_s": t_sync, "stream_s": t_stream, "async_s": t_async,
+        "speedup": _ratio(t_sync, t_stream), "speedup_async": _ratio(t_sync, t_async),
+        "ceiling": _ratio(makespan + per_learner + s, bound),
+    }
+
+
+def what_if(items, learner_speed: float = 1.0, tool_speed: float = 1.0, spread: float = 1.0) -> list[Item]:
+    """The same round on a different machine or workload.
+
+    learner_speed X: every item's learner cost / X. tool_speed X: every arrival time / X (the minimal
+    trace does not split generation from tool time, so all of it scales). spread X: each arrival's
+    deviation from the median arrival times X, clipped at 0 (nothing arrives before the round starts).
+    """
+    for name, v in (("--learner-speed", learner_speed), ("--tool-speed", tool_speed)):
+        if not v > 0:
+            raise UsageError(f"{name} must be > 0 (got {v})")
+    if not spread >= 0:
+        raise UsageError(f"--spread must be >= 0 (got {spread})")
+    if not items:
+        return []
+    med = statistics.median(i.finished_at_s for i in items)
+    return [Item(max(0.0, med + spread * (i.finished_at_s - med)) / tool_speed, i.learner_cost_s / learner_speed)
+            for i in items]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | None = None,
+                  learners: int | None = None, learner_speed: float = 1.0, tool_speed: float = 1.0,
+                  spread: float = 1.0, warmup: int = 4) -> dict:
+    """Predict every round of a trace; the summary averages rounds after the warm-up.
+
+    Flags override the trace's own step/sync/learner values; what the trace lacks defaults to
+    step 0, sync 0, one learner. The measured comparison (run traces) is always made with the
+    trace as recorded; the what-if knobs change only the predictions.
+    """
+    if learners is not None and learners < 1:
+        raise UsageError(f"--learners must be >= 1 (got {learners})")
+    for name, v in (("--step-s", step_s), ("--sync-s", sync_s)):
+        if v is not None and v < 0:
+            raise UsageError(f"{name} must be >= 0 (got {v})")
+    knobs = {k: v for k, v in (("learners", learners), ("learner_speed", learner_speed),
+                               ("tool_speed", tool_speed), ("spread", spread)) if v not in (None, 1.0)}
+    rounds = predict_rounds(trace, step_s=step_s, sync_s=sync_s)
+    if knobs:
+        for row, r in zip(rounds, trace.rounds):
+            row["as_traced"] = {k: row[k] for k in ("sync_s", "stream_s", "async_s", "speedup")}
+            items = what_if(r.items, learner_speed, tool_speed, spread)
+            row.update(predict_round(items, row["optimizer_step_s"], row["weight_sync_s"],
+                                     learners or r.learners or 1))
+    if not rounds:
+        raise UsageError(f"{trace.source}: no rounds with items")
+    counted = [r for r in rounds if r["round"] > warmup]
+    note = None
+    if not counted:
+        counted = rounds
+        if len(rounds) > 1:
+            note = f"no round after the warm-up (rounds 1-{warmup}): every round is counted"
+    doc = {"source": trace.source, "kind": trace.kind, "schedule": trace.schedule, "what_if": knobs,
+           "rounds_counted": [r["round"] for r in counted], "note": note}
+    keys = ("makespan_s", "work_s", "optimizer_step_s", "weight_sync_s", "sync_s", "stream_s", "async_s")
+    doc.update({k: statistics.fmean(r[k] for r in counted) for k in keys})
+    doc["learners"] = counted[-1]["learners"]
+    # speedup of the mean step times (ratio of means), as the report computes it per seed
+    doc["speedup"] = _ratio(doc["sync_s"], doc["stream_s"])
+    doc["speedup_async"] = _ratio(doc["sync_s"], doc["async_s"])
+    doc["ceiling"] = _ratio(doc["makespan_s"] + doc["work_s"] / doc["learners"] + doc["optimizer_step_s"]
+                            + doc["weight_sync_s"], max(doc["makespan_s"], doc["work_s"] / doc["learners"])
+                            + doc["optimizer_step_s"] + doc["weight_sync_s"])
+    errs = [abs(r["error_pct"]) for r in counted if r.get("error_pct") is not None]
+    if errs:
+        doc["measured_from"] = trace.measured_from
+        doc["mean_abs_error_pct"] = statistics.fmean(errs)
+        doc["error_rows"] = len(errs)
+    if len(rounds) > 1:
+        doc["rounds"] = rounds
+    return doc
+
+
+def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | None = None) -> list[dict]:
+    """predict_round for every round as recorded; with the measured step time and the error
+    (predicted under the trace's own schedule minus measured, in % of measured) where known."""
+    rows = []
+    for r in trace.rounds:
+        st = step_s if step_s is not None else (r.step_s or 0.0)
+        sy = sync_s if sync_s is not None else (r.sync_s or 0.0)
+        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1)}
+        if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
+            pred = row[f"{trace.schedule}_s"]
+            row.update(measured_s=r.measured_step_s, predicted_s=pred,
+                       error_pct=100.0 * (pred - r.measured_step_s) / r.measured_step_s
+                       if r.measured_step_s > 0 else None)
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- reading traces
+
+
+def load_trace(path: str | Path) -> Trace:
+    """A run directory, an events.jsonl, or a minimal trace (.csv, or JSONL rows without `event`)."""
+    p = Path(path)
+    if p.is_dir():
+        ev = p / "events.jsonl"
+        if not ev.is_file():
+            raise UsageError(f"{p}: not a run directory (no events.jsonl)")
+        return _from_events(ev, _read_jsonl(ev), metrics=p / "metrics.jsonl", kind="run")
+    if not p.is_file():
+        raise UsageError(f"--trace {p}: not found (a run directory, an events.jsonl or a CSV/JSONL trace)")
+    if p.suffix.lower() == ".csv":
+        with p.open(newline="") as f:
+            rows = [(n, row) for n, row in enumerate(csv.DictReader(f), start=2)]
+        return _from_minimal(p, rows)
+    rows = _read_jsonl(p)
+    if any("event" in row for _, row in rows):
+        metrics = p.with_name("metrics.jsonl")
+        return _from_events(p, rows, metrics=metrics, kind="events")
+    return _from_minimal(p, rows)
+
+
+def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
+    out = []
+    for n, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{p}:{n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise UsageError(f"{p}:{n}: expected a JSON object")
+        out.append((n, row))
+    return out
+
+
+def _num(p: Path, n: int, row: dict, key: str, required: bool = True) -> float | None:
+    v = row.get(key)
+    if v in (None, ""):
+        if required:
+            raise UsageError(f"{p}:{n}: field '{key}': missing")
+        return None
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UsageError(f"{p}:{n}: field '{key}': not a number ({v!r})") from None
+    if not math.isfinite(x) or x < 0:
+        raise UsageError(f"{p}:{n}: field '{key}': must be a finite number >= 0 (got {v!r})")
+    return x
+
+
+def _from_minimal(p: Path, rows: list[tuple[int, dict]]) -> Trace:
+    by_round: dict[int, list[Item]] = {}
+    for n, row in rows:
+        rnd = _num(p, n, row, "round", required=False)
+        item = Item(_num(p, n, row, "finished_at_s"), _num(p, n, row, "learner_cost_s"))
+        by_round.setdefault(int(rnd) if rnd is not None else 1, []).append(item)
+    if not by_round:
+        raise UsageError(f"{p}: no rows (expected finished_at_s, learner_cost_s[, round])")
+    return Trace(str(p), "minimal", None, tuple(RoundTrace(k, tuple(v)) for k, v in sorted(by_round.items())))
+
+
+def _span(p: Path, n: int, row: dict) -> float:
+    start, end = _num(p, n, row, "start_s"), _num(p, n, row, "end_s")
+    if end < start:
+        raise UsageError(f"{p}:{n}: end_s < start_s")
+    return end - start
+
+
+def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str) -> Trace:
+    """Rounds from events.jsonl; sync rounds share the batch backward out by loss_tokens.
+
+    Several `step` (or `weight_sync`) events in one round are summed: the model puts them all at
+    the round's end. Each `batch_backward` span counts as learner-seconds (exact for one learner,
+    and for one event per learner device).
+    """
+    rounds: dict[int, dict] = {}
+    for n, row in rows:
+        r = rounds.setdefault(int(_num(p, n, row, "round")), {
+            "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
+            "end": None, "stale": False})
+        ev = row.get("event")
+        if ev == "item":
+            r["items"].append((n, row))
+            r["stale"] |= bool(row.get("staleness"))
+        elif ev == "batch_backward":
+            r["batch"] += _span(p, n, row)
+            r["has_batch"] = True
+        elif ev in ("step", "weight_sync"):
+            k = "step" if ev == "step" else "sync"
+            r[k] = (r[k] or 0.0) + _span(p, n, row)
+        elif ev == "round_end":
+            r["end"] = _num(p, n, row, "at_s", required=False)
+            r["learners"] = int(row["learners"]) if row.get("learners") else None
+    measured, schedule, measured_from = {}, None, None
+    if metrics.is_file():
+        for n, row in _read_jsonl(metrics):
+            schedule = row.get("schedule") or schedule
+            if row.get("step_time_s") is not None and "round" in row:
+                measured.setdefault(int(row["round"]), float(row["step_time_s"]))
+        measured_from = "metrics.jsonl step_time_s" if measured else None
+    if not measured and any(r["end"] is not None for r in rounds.values()):
+        measured = {k: r["end"] for k, r in rounds.items() if r["end"] is not None}
+        measured_from = "events.jsonl round_end.at_s"
+    if schedule is None:  # inferred from the events themselves
+        schedule = "sync" if any(r["has_batch"] for r in rounds.values()) else \
+            "async" if any(r["stale"] for r in rounds.values()) else "stream"
+    out = []
+    for k, r in sorted(rounds.items()):
+        if not r["items"]:
+            continue
+        out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k)))
+    return Trace(str(p), kind, schedule, tuple(out), measured_from)
+
+
+def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
+    rows = r["items"]
+    costs = [_num(p, n, row, "learner_cost_s", required=False) for n, row in rows]
+    if any(c is None for c in costs):
+        if not r["has_batch"]:
+            n = rows[costs.index(None)][0]
+            raise UsageError(f"{p}:{n}: field 'learner_cost_s': missing, and the round has no batch_backward "
+                             "event to share out")
+        # sync: the batch backward's seconds shared in proportion to loss_tokens (equal shares if absent)
+        tokens = [float(row.get("loss_tokens") or 0) for _, row in rows]
+        total = sum(tokens)
+        shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
+        costs = [r["batch"] * s for s in shares]
+    return tuple(Item(_num(p, n, row, "finished_at_s"), c) for (n, row), c in zip(rows, costs))
+

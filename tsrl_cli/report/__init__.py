@@ -1,0 +1,1 @@
+"""`tsrl report`: run directories -> tables, figures and REPORT.md (see build.py)."""

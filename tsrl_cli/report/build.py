@@ -1,0 +1,283 @@
+"""`tsrl report`: tables (CSV + Markdown), figures (PNG + the CSV behind each) and REPORT.md, from
+whatever runs exist under a results tree, each measured number beside the paper's.
+
+    tsrl report results --out results/report
+    out/REPORT.md · out/tables/<name>.{csv,md} · out/figures/<name>.{png,csv}
+
+Every file is written atomically (temporary file, then rename). Inputs that are missing are skipped
+with a note in REPORT.md; nothing is filled in that was not measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsrl_cli.errors import UsageError
+from tsrl_cli.report import plots, tables
+from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS
+from tsrl_cli.report.load import Run, config_value, find_runs
+
+# PAPER.md (the digest of the article), verbatim numbers; none of them was measured by this project.
+PAPER_SETUP = "one node of 8 B200 GPUs, Qwen-3.8-27B, SWE-smith / SETA-Env tasks"
+OURS_SETUP = "CPU, tiny model, embedded tasks"
+PAPER = {
+    "idle": "49.5 % of step time idle (sync)",
+    "step": "1313 s -> 687 s (1.9x)",
+    "spread_grpo": "1.58x -> 1.95x as spread grows",
+    "spread_opd": "1.73x -> 1.94x (per turn)",
+    "balance": "-> 2x at exact balance; 1.64x rollout-dominated (GLM-4.7-Flash); 1.63x / 1.67x on H200 "
+               "(rollout tied to learning)",
+    "target": "SWE-bench Verified target in 121.3 GPU-hours instead of 233.5 (1.9x)",
+    "budget": "at 128 GPU-hours, ahead of async by 1.27 to 2.47 benchmark points (4 of 4 comparisons)",
+    "memory": "per-GPU peak 117.0 GB -> 122.8 GB at most",
+    "predicted": "1.6 % mean error over 588 paired rows",
+    "staleness": "zero staleness (every rollout bound to the round's snapshot)",
+    "terminal": "Terminal Bench 4.0: 1.8x and 1.9x",
+    "efficiency": "trainer efficiency leads every row, up to 45.9 % (metric not defined in the article)",
+}
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    results_dir: str = "results"
+    out_dir: str | None = None  # default: <results_dir>/report
+    warmup: int = WARMUP_ROUNDS
+    last_round: int = LAST_ROUND
+    spread_key: str = "rollout.tool_latency_sigma"  # dotted key in each run's config.yaml: the x of the spread figure
+    target_reward: float | None = None
+    budget_core_s: float | None = None
+    reward_key: str = "reward_mean"
+    include_partial: bool = False
+
+
+def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m: None) -> dict:
+    """Write the report; return what was written and the notes (also in REPORT.md)."""
+    root = Path(opts.results_dir)
+    if not root.is_dir():
+        raise UsageError(f"{root}: results directory not found (expected <experiment>/<schedule>/seed<k>/ runs)")
+    if opts.warmup < 0 or opts.last_round <= opts.warmup:
+        raise UsageError(f"--warmup {opts.warmup} / --last-round {opts.last_round}: need 0 <= warmup < last round")
+    out = Path(opts.out_dir) if opts.out_dir else root / "report"
+    runs, notes = find_runs(root, opts.include_partial)
+    progress(f"{len(runs)} runs under {root}")
+    _check_discipline(runs, notes)
+
+    w, last = opts.warmup, opts.last_round
+    progress("predicting every run's rounds from its events")
+    pred, pred_notes = tables.prediction_rows(runs, w, last)
+    notes += pred_notes
+    paired = tables.paired_speedup_rows(pred)
+    t = {tb.name: tb for tb in (
+        tables.step_time_table(runs, w, last), tables.idle_table(runs, w, last), tables.memory_table(runs, last),
+        tables.target_table(runs, opts.target_reward, opts.reward_key),
+        tables.budget_table(runs, opts.budget_core_s, opts.reward_key), tables.prediction_table(pred, paired))}
+    written = {"tables": [], "figures": []}
+    for tb in t.values():
+        write_atomic(out / "tables" / f"{tb.name}.csv", to_csv(tb.rows))
+        write_atomic(out / "tables" / f"{tb.name}.md", to_markdown(tb))
+        written["tables"].append(str(out / "tables" / f"{tb.name}.csv"))
+    write_atomic(out / "tables" / "predicted_vs_measured_rows.csv", to_csv(pred))
+    write_atomic(out / "tables" / "predicted_speedup_rows.csv", to_csv(paired))
+
+    spread, spread_note = tables.spread_rows(runs, t["step_time"], pred, opts.spread_key)
+    gantt, gantt_what = tables.gantt_rows(runs, w)
+    figures = [
+        ("speedup_vs_spread", spread, plots.speedup_vs_spread, 1, spread_note),
+        ("predicted_vs_measured", [r for r in pred if r["measured_s"] is not None], plots.predicted_vs_measured, 1,
+         "no run has events.jsonl with measured step times"),
+        ("gantt_round", gantt, plots.gantt, 2, gantt_what),
+        ("reward_curves", tables.reward_curve_rows(runs, opts.reward_key), plots.reward_curves, 1,
+         f"no run has `{opts.reward_key}`"),
+        ("memory", t["memory"].rows, plots.memory_bars, 1, "no run has peak_mem_learner_bytes"),
+    ]
+    fig_md = []
+    for name, rows, draw, n_axes, why in figures:
+        drawable = rows if name != "memory" else [r for r in rows if r.get("peak_mem_learner_bytes_mean") is not None]
+        if not drawable:
+            notes.append(f"figure {name} skipped: {why}")
+            continue
+        progress(f"figure {name}")
+        _figure(out / "figures", name, rows, draw, n_axes)
+        written["figures"].append(str(out / "figures" / f"{name}.png"))
+        caption = f"{name}: {gantt_what}" if name == "gantt_round" else name
+        fig_md.append(f"![{caption}](figures/{name}.png)  \n*{caption}* · data: [figures/{name}.csv](figures/{name}.csv)")
+        if name == "speedup_vs_spread" and why:
+            notes.append(why)
+
+    report = _report_md(opts, runs, t, spread, fig_md, notes)
+    write_atomic(out / "REPORT.md", report)
+    return {"out": str(out), "report": str(out / "REPORT.md"), "runs": len(runs),
+            "experiments": sorted({r.experiment for r in runs}), **written,
+            "predicted_rows": t["predicted_vs_measured"].extra["step_rows"],
+            "predicted_mean_abs_error_pct": t["predicted_vs_measured"].extra["step_mape"],
+            "paired_rows": t["predicted_vs_measured"].extra["paired_rows"],
+            "paired_mean_abs_error_pct": t["predicted_vs_measured"].extra["paired_mape"], "notes": notes}
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def to_csv(rows: list[dict]) -> str:
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    wr = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    wr.writeheader()
+    for r in rows:
+        wr.writerow({k: "" if r.get(k) is None else r[k] for k in cols})
+    return buf.getvalue()
+
+
+def to_markdown(tb: tables.Table) -> str:
+    lines = [f"### {tb.title}", ""]
+    if not tb.rows:
+        return "\n".join(lines + ["No runs with these measurements.", ""])
+    lines.append("| " + " | ".join(h for h, _ in tb.md) + " |")
+    lines.append("|" + "---|" * len(tb.md))
+    lines += ["| " + " | ".join(f(r) for _, f in tb.md) + " |" for r in tb.rows]
+    if tb.note:
+        lines += ["", tb.note]
+    return "\n".join(lines) + "\n"
+
+
+def _figure(folder: Path, name: str, rows: list[dict], draw, n_axes: int) -> None:
+    from matplotlib.figure import Figure  # no pyplot: an Agg canvas, no display, no global state
+
+    height = 4.0 if n_axes == 1 else min(12.0, 2.0 + 0.18 * len(rows))
+    fig = Figure(figsize=(7.0, height), dpi=110, layout="constrained")
+    axes = fig.subplots(n_axes, 1, sharex=True) if n_axes > 1 else fig.subplots()
+    draw(rows, axes)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    write_atomic(folder / f"{name}.png", buf.getvalue())
+    write_atomic(folder / f"{name}.csv", to_csv(rows))
+
+
+# ---------------------------------------------------------------------------- REPORT.md
+
+
+def _check_discipline(runs: list[Run], notes: list[str]) -> None:
+    """The paper's rule: every row of an experiment uses the same seed list (PAPER.md)."""
+    seeds: dict[str, dict[str, set]] = {}
+    for r in runs:
+        seeds.setdefault(r.experiment, {}).setdefault(r.schedule, set()).add(r.seed)
+    for exp, by in seeds.items():
+        if len({frozenset(v) for v in by.values()}) > 1:
+            notes.append(f"{exp}: schedules have different seed lists "
+                         f"({'; '.join(f'{s}: {sorted(v)}' for s, v in by.items())}); speedups pair common seeds only")
+
+
+def _rows(tb: tables.Table, sched: str) -> dict[str, dict]:
+    return {r["experiment"]: r for r in tb.rows if r["schedule"] == sched}
+
+
+def _ours(t: dict[str, tables.Table], spread: list[dict], runs: list[Run]) -> dict[str, str]:
+    f, pm = tables.fmt, tables.pm
+    sync, stream = _rows(t["step_time"], "sync"), _rows(t["step_time"], "stream")
+    both = [e for e in sync if e in stream]
+    o = {}
+    o["idle"] = "; ".join(f"{e}: {pm(r, 'learner_idle_frac', 100)} %" for e, r in _rows(t["learner_idle"], "sync").items()
+                          if r["learner_idle_frac_mean"] is not None)
+    o["step"] = "; ".join(f"{e}: {f(sync[e]['step_time_s_mean'])} s -> {f(stream[e]['step_time_s_mean'])} s "
+                          f"({pm(stream[e], 'speedup')}x)" for e in both if stream[e]["speedup_mean"] is not None)
+    for obj in ("grpo", "opd"):
+        pts = [r for r in spread if r["objective"] == obj and r["schedule"] == "stream" and r["speedup_mean"]]
+        if pts:
+            a, b = pts[0], pts[-1]
+            o[f"spread_{obj}"] = (f"{a['spread_key']}={f(a['spread'])}: {f(a['speedup_mean'])}x -> "
+                                  f"{f(b['spread'])}: {f(b['speedup_mean'])}x ({len(pts)} spreads)")
+    o["balance"] = "; ".join(f"{e} (learner busy / makespan {f(stream[e]['balance_busy_over_makespan'])}): "
+                             f"{f(stream[e]['speedup_mean'])}x" for e in both if stream[e]["speedup_mean"] is not None)
+    tt_sync, tt_stream = _rows(t["core_hours_to_target"], "sync"), _rows(t["core_hours_to_target"], "stream")
+    o["target"] = "; ".join(
+        f"{e}: {f(tt_sync[e]['core_s_mean'] / 3600)} -> {f(tt_stream[e]['core_s_mean'] / 3600)} core-hours "
+        f"({f(tt_stream[e]['core_speedup_vs_sync'])}x), target {f(tt_sync[e]['target_reward'])} "
+        f"{tt_sync[e]['reward_key']}" for e in tt_sync
+        if e in tt_stream and tt_sync[e]["core_s_mean"] and tt_stream[e]["core_s_mean"])
+    b_stream, b_async = _rows(t["reward_at_budget"], "stream"), _rows(t["reward_at_budget"], "async")
+    o["budget"] = "; ".join(
+        f"{e}: stream {f(b_stream[e]['reward_mean'])} vs async {f(b_async[e]['reward_mean'])} "
+        f"({b_stream[e]['reward_mean'] - b_async[e]['reward_mean']:+.3g} {b_stream[e]['reward_key']}) at "
+        f"{f(b_stream[e]['budget_core_s'] / 3600)} core-hours" for e in b_stream
+        if e in b_async and b_stream[e]["reward_mean"] is not None and b_async[e]["reward_mean"] is not None)
+    m_sync, m_stream = _rows(t["memory"], "sync"), _rows(t["memory"], "stream")
+    o["memory"] = "; ".join(
+        f"{e}: {f(m_sync[e]['peak_mem_learner_bytes_mean'] / 1e9)} GB -> "
+        f"{f(m_stream[e]['peak_mem_learner_bytes_mean'] / 1e9)} GB ({f(m_stream[e]['learner_peak_vs_sync'])}x)"
+        for e in m_sync if e in m_stream and m_sync[e]["peak_mem_learner_bytes_mean"]
+        and m_stream[e]["peak_mem_learner_bytes_mean"] is not None)
+    x = t["predicted_vs_measured"].extra
+    parts = []
+    if x["paired_rows"]:
+        parts.append(f"speedup: {f(x['paired_mape'])} % over {x['paired_rows']} paired rows")
+    if x["step_rows"]:
+        parts.append(f"step time: {f(x['step_mape'])} % over {x['step_rows']} rounds")
+    o["predicted"] = "; ".join(parts)
+    stale = [v for r in runs if r.schedule == "stream" for v in r.series("staleness_max").values() if v is not None]
+    o["staleness"] = f"max staleness over {len(stale)} stream rounds: {f(max(stale))}" if stale else ""
+    o["terminal"] = "not measured here: no Terminal Bench evaluation among these runs"
+    o["efficiency"] = "not reproduced: the article does not define the metric"
+    return o
+
+
+CLAIMS = [("idle", "Learner idle share of step time, sync"), ("step", "Step time, sync -> stream"),
+          ("spread_grpo", "Speedup against duration spread, GRPO"), ("spread_opd", "Speedup against spread, OPD"),
+          ("balance", "Speedup against rollout/learning balance"), ("target", "Compute to a target reward"),
+          ("budget", "Reward at a fixed budget, stream vs async"), ("memory", "Peak learner memory, sync -> stream"),
+          ("predicted", "Event model, predicted against measured"), ("staleness", "Staleness under stream"),
+          ("terminal", "Terminal Bench speedups"), ("efficiency", "Trainer efficiency")]
+
+
+def _report_md(opts: ReportOptions, runs: list[Run], t: dict[str, tables.Table], spread: list[dict],
+               fig_md: list[str], notes: list[str]) -> str:
+    ours = _ours(t, spread, runs) if runs else {}
+    models = sorted({str(m) for r in runs for m in [config_value(r.config, "model.name") or
+                                                    config_value(r.config, "model")] if isinstance(m, (str, int))})
+    seeds = sorted({r.seed for r in runs})
+    lines = [
+        "# tsrl report", "",
+        f"From `{opts.results_dir}`: {len(runs)} runs, {len({r.experiment for r in runs})} experiments, "
+        f"schedules {', '.join(sorted({r.schedule for r in runs})) or '–'}, seeds {', '.join(map(str, seeds)) or '–'}"
+        + (" (partial runs included)" if opts.include_partial else " (runs without DONE skipped)") + ".", "",
+        (f"- **paper**: {PAPER_SETUP}; 40 rounds, seeds 42, 43, 44 (numbers from shared/paper/PAPER.md, "
+         "not measured here)."),
+        f"- **ours**: {OURS_SETUP}" + (f" (models in config: {', '.join(models)})" if models else "")
+        + ". The two columns are different hardware, models and tasks: compare shapes and ratios, not seconds.",
+        (f"- Rounds 1-{opts.warmup} are warm-up and excluded; rounds {opts.warmup + 1}-{opts.last_round} are "
+         "averaged per seed, then mean ± std [95 % t-interval] over seeds."), "",
+        "## Claims beside the paper", "",
+        f"| claim | paper ({PAPER_SETUP}) | ours ({OURS_SETUP}) |", "|---|---|---|",
+    ]
+    for key, claim in CLAIMS:
+        lines.append(f"| {claim} | {PAPER[key]} | {ours.get(key) or 'not measured: no runs with these inputs'} |")
+    lines += ["", "## Tables", "", ("Each table's CSV (every column) is in `tables/`; the predicted-against-measured "
+                                     "rows are in `tables/predicted_vs_measured_rows.csv` and "
+                                     "`tables/predicted_speedup_rows.csv`."), ""]
+    lines += [to_markdown(tb) for tb in t.values()]
+    lines += ["## Figures", "", f"Spread axis: config key `{opts.spread_key}` (`--spread-key`).", ""]
+    lines += [m + "\n" for m in fig_md] or ["No figure could be drawn.", ""]
+    lines += ["## Notes", ""] + ([f"- {n}" for n in notes] or ["- none"]) + [""]
+    return "\n".join(lines)

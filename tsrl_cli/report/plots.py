@@ -1,0 +1,102 @@
+"""One function per figure: (rows, axes) -> None, drawing exactly the rows written to its CSV.
+
+No pyplot: build.py makes a matplotlib Figure (Agg canvas) and saves it; nothing here shows a window.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+SCHEDULE_COLOR = {"sync": "tab:gray", "stream": "tab:blue", "async": "tab:orange"}
+BAR_COLOR = {"rollout": "tab:green", "backward": "tab:blue", "batch_backward": "tab:blue", "step": "tab:purple",
+             "weight_sync": "tab:red", "idle": "none"}
+
+
+def speedup_vs_spread(rows: list[dict], ax) -> None:
+    """Measured speedup over sync (mean, 95 % interval over seeds) per objective and schedule, the
+    model's prediction from the stream traces (dashed), and the 2x ceiling."""
+    series: dict[tuple, list[dict]] = {}
+    for r in rows:
+        series.setdefault((r["objective"], r["schedule"]), []).append(r)
+    for (obj, sched), rs in series.items():
+        rs = sorted(rs, key=lambda r: r["spread"])
+        x = [r["spread"] for r in rs]
+        y = [r["speedup_mean"] for r in rs]
+        err = [[(r["speedup_mean"] - r["speedup_ci_low"]) if r["speedup_ci_low"] is not None else 0 for r in rs],
+               [(r["speedup_ci_high"] - r["speedup_mean"]) if r["speedup_ci_high"] is not None else 0 for r in rs]]
+        color = SCHEDULE_COLOR.get(sched)
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=color, label=f"{obj or '?'} {sched} (measured)")
+        pred = [(r["spread"], r["predicted_speedup"]) for r in rs if r.get("predicted_speedup") is not None]
+        if pred:
+            ax.plot(*zip(*pred), ls="--", marker="x", color=color, alpha=0.7, label=f"{obj or '?'} {sched} (model)")
+    ax.axhline(2.0, color="black", ls=":", lw=1, label="2x ceiling")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set_xlabel(rows[0]["spread_key"] if rows else "spread")
+    ax.set_ylabel("speedup over sync (step time)")
+    ax.legend(fontsize=7)
+
+
+def predicted_vs_measured(rows: list[dict], ax) -> None:
+    """Scatter of predicted against measured step time per round, coloured by schedule, with y = x."""
+    pts = [r for r in rows if r.get("measured_s") is not None and r.get("predicted_s") is not None]
+    for sched in dict.fromkeys(r["schedule"] for r in pts):
+        rs = [r for r in pts if r["schedule"] == sched]
+        ax.scatter([r["measured_s"] for r in rs], [r["predicted_s"] for r in rs], s=10,
+                   color=SCHEDULE_COLOR.get(sched), label=sched)
+    if pts:
+        lo = min(min(r["measured_s"], r["predicted_s"]) for r in pts)
+        hi = max(max(r["measured_s"], r["predicted_s"]) for r in pts)
+        ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls="--", label="y = x")
+        mape = statistics.fmean(abs(r["error_pct"]) for r in pts if r["error_pct"] is not None)
+        ax.set_title(f"mean |error| {mape:.2f} % over {len(pts)} rounds", fontsize=9)
+    ax.set_xlabel("measured step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.legend(fontsize=7)
+
+
+def gantt(rows: list[dict], axes) -> None:
+    """One panel per schedule: learner lane on top (idle gaps hatched), one arrival bar per item."""
+    for ax, sched in zip(axes, ("sync", "stream")):
+        rs = [r for r in rows if r["schedule"] == sched]
+        lanes = list(dict.fromkeys(["learner"] + [r["lane"] for r in rs]))
+        for r in rs:
+            y = lanes.index(r["lane"])
+            idle = r["kind"] == "idle"
+            ax.barh(y, r["end_s"] - r["start_s"], left=r["start_s"], height=0.7,
+                    color=BAR_COLOR.get(r["kind"], "tab:gray"), edgecolor="tab:red" if idle else "none",
+                    hatch="//" if idle else None, lw=0.5)
+        ax.set_yticks(range(len(lanes)), labels=lanes, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_ylabel(sched)
+    axes[-1].set_xlabel("seconds since round start")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=BAR_COLOR[k], label=k) for k in ("rollout", "backward", "step", "weight_sync")]
+    handles.append(Patch(facecolor="none", edgecolor="tab:red", hatch="//", label="learner idle"))
+    axes[0].legend(handles=handles, fontsize=6, loc="lower right")
+
+
+def reward_curves(rows: list[dict], ax) -> None:
+    """Mean reward per round over seeds, with a ± std band."""
+    for exp, sched in dict.fromkeys((r["experiment"], r["schedule"]) for r in rows):
+        rs = [r for r in rows if r["experiment"] == exp and r["schedule"] == sched]
+        x = [r["round"] for r in rs]
+        m = [r["mean"] for r in rs]
+        sd = [r["std"] or 0.0 for r in rs]
+        line, = ax.plot(x, m, label=f"{exp} · {sched}", lw=1)
+        ax.fill_between(x, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+                        color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("round")
+    ax.set_ylabel(rows[0]["reward_key"] if rows else "reward")
+    ax.legend(fontsize=6)
+
+
+def memory_bars(rows: list[dict], ax) -> None:
+    """Learner peak memory (GB) per experiment and schedule, mean with std over seeds."""
+    rs = [r for r in rows if r.get("peak_mem_learner_bytes_mean") is not None]
+    x = range(len(rs))
+    ax.bar(x, [r["peak_mem_learner_bytes_mean"] / 1e9 for r in rs],
+           yerr=[(r["peak_mem_learner_bytes_std"] or 0) / 1e9 for r in rs], capsize=3,
+           color=[SCHEDULE_COLOR.get(r["schedule"], "tab:gray") for r in rs])
+    ax.set_xticks(list(x), labels=[f"{r['experiment']}\n{r['schedule']}" for r in rs], fontsize=6, rotation=30)
+    ax.set_ylabel("learner peak memory (GB)")

@@ -1,0 +1,61 @@
+"""Per-process setup and measurements shared by the workers."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import traceback
+
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+              "TOKENIZERS_PARALLELISM": "false"}
+
+
+def thread_env() -> None:
+    """One OpenMP thread per process, set before torch starts its pool (measured on this 2-core
+    machine: two OpenMP threads beside another busy process ran up to 37x slower than one)."""
+    for k, v in THREAD_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init_worker() -> None:
+    thread_env()
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident memory of this process since the last reset (VmHWM), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # not Linux: peak since the process started (kB on Linux, bytes on macOS)
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return r if sys.platform == "darwin" else r * 1024
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to clear_refs), so peaks are per round."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def guarded(name: str, report_q, fn, *args) -> None:
+    """Run a worker's main; on failure report ("error", name, traceback) instead of dying silently."""
+    try:
+        fn(*args)
+        report_q.put(("done", name, None))
+    except BaseException:  # noqa: BLE001 - the orchestrator shows it and stops the run
+        report_q.put(("error", name, traceback.format_exc()))
+        raise SystemExit(1) from None

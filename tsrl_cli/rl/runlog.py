@@ -1,0 +1,85 @@
+"""The run directory, exactly as docs/run-directory.md describes it.
+
+    config.yaml      the resolved config, written before round 1
+    metrics.jsonl    one row per round
+    events.jsonl     item / batch_backward / group_close / step / weight_sync / round_end rows
+    rollouts.jsonl   with save_rollouts
+    checkpoints/round-<k>/   written by the learner process
+    DONE             JSON summary, written last
+
+Whole files (config.yaml, DONE, a rewrite on resume) go through a temporary file and a rename;
+JSONL rows are appended one whole line per write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+FILES = ("metrics.jsonl", "events.jsonl", "rollouts.jsonl")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class RunLog:
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def done_path(self) -> Path:
+        return self.root / "DONE"
+
+    def started(self) -> bool:
+        return self.config_path.is_file()
+
+    def write_config(self, text: str) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.config_path, text)
+
+    def append(self, name: str, rows: list[dict]) -> None:
+        if not rows:
+            return
+        text = "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows)
+        with open(self.root / name, "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+
+    def rows(self, name: str) -> list[dict]:
+        p = self.root / name
+        if not p.is_file():
+            return []
+        return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    def checkpoints(self) -> dict[int, Path]:
+        """Completed checkpoints (a state.json is the last file written before the rename)."""
+        out = {}
+        for d in (self.root / "checkpoints").glob("round-*"):
+            if (d / "state.json").is_file() and d.name.removeprefix("round-").isdigit():
+                out[int(d.name.removeprefix("round-"))] = d
+        return dict(sorted(out.items()))
+
+    def keep_rounds_up_to(self, k: int) -> None:
+        """Resume: drop rows of rounds after the last checkpoint (they will be run again)."""
+        for name in FILES:
+            rows = self.rows(name)
+            kept = [r for r in rows if r.get("round", 0) <= k]
+            if len(kept) != len(rows):
+                write_atomic(self.root / name, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def write_done(self, summary: dict) -> None:
+        write_atomic(self.done_path, json.dumps(summary, indent=1) + "\n")
+
+    def remove_done(self) -> None:
+        self.done_path.unlink(missing_ok=True)

@@ -1,0 +1,86 @@
+"""OPD's teacher process: a fixed model that scores each model turn the moment it closes.
+
+Turn k of a trajectory arrives as its token prefix (TurnClosed); the teacher's log-probs of the
+turn's tokens given that prefix go to the learner at once (TurnScored), so that turn's backward
+can start while the trajectory's tools still run. When the trajectory ends, its final rollout
+leaves with every turn's teacher log-probs filled in (TrajectoryDone), in the same FIFO order, so
+the learner always sees a trajectory's turns before its end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tsrl_cli.config import TrainConfig
+from tsrl_cli.rl.process import init_worker, peak_rss_bytes, reset_peak_rss
+from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnClosed, TurnScored
+from tsrl_cli.rollouts import Rollout
+
+
+@torch.no_grad()
+def score_turn(model, ids_T: list[int], start: int, end: int) -> list[float]:
+    """Teacher log-probs of ids[start:end] given ids[:j] for each j (float64 Python floats).
+
+    Only the logits that predict the turn's tokens are computed (positions start-1 .. end-2).
+    """
+    ids = torch.tensor([ids_T[:end]], dtype=torch.long, device=next(model.parameters()).device)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=end - start + 1).logits[0, :-1]  # (end-start, V)
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, start:end, None]).squeeze(-1)
+    return lp.double().tolist()
+
+
+class TeacherWorker:
+    def __init__(self, cfg: TrainConfig, teacher_dir: str, in_q, out_q, report_q):
+        from tsrl_cli.rl.rollout_worker import load_policy_model
+
+        self.model, _ = load_policy_model(teacher_dir, cfg.model.dtype)
+        self.in_q, self.out_q, self.report_q = in_q, out_q, report_q
+
+    def run_round(self, plan: RoundPlan) -> dict:
+        scores: dict[tuple[str, int], list[float]] = {}  # teacher log-probs so far, per trajectory
+        ended = turns = 0
+        busy = 0.0
+        while ended < plan.num_trajectories:
+            msg = self.in_q.get()
+            if msg.round != plan.round:
+                raise RuntimeError(f"teacher: round {msg.round} message during round {plan.round}")
+            if isinstance(msg, TurnClosed):
+                t0 = time.monotonic()
+                s, e = msg.turn_spans[msg.turn]
+                buf = scores.setdefault((msg.group_id, msg.sample_index), [])
+                buf += [0.0] * (e - len(buf))
+                buf[s:e] = score_turn(self.model, msg.input_ids, s, e)
+                spans = [tuple(sp) for sp in msg.turn_spans] + [(e, e)]  # placeholder: turns still to come
+                partial = Rollout(msg.group_id, msg.sample_index, msg.input_ids, msg.loss_mask, 0.0, spans,
+                                  teacher_logprobs=list(buf[:e]))
+                busy += time.monotonic() - t0
+                self.out_q.put(TurnScored(msg.round, msg.policy_version, partial, msg.turn, msg.closed_at,
+                                          time.monotonic()))
+                turns += 1
+            else:  # TrajectoryDone: attach every turn's scores, then hand over
+                assert isinstance(msg, TrajectoryDone)
+                r = msg.rollout
+                buf = scores.pop(r.key, [])
+                r.teacher_logprobs = (buf + [0.0] * len(r.input_ids))[: len(r.input_ids)]
+                msg.finished_at = time.monotonic()
+                self.out_q.put(msg)
+                ended += 1
+        return {"busy_s": busy, "turns": turns}
+
+    def run(self, plans: list[RoundPlan]) -> None:
+        for plan in plans:
+            reset_peak_rss()
+            report = self.run_round(plan)
+            report["peak_rss"] = peak_rss_bytes()
+            self.report_q.put(("teacher_round", plan.round, report))
+
+
+def teacher_main(cfg: TrainConfig, teacher_dir: str, plans, in_q, out_q, report_q) -> None:
+    init_worker()
+    teacher = TeacherWorker(cfg, teacher_dir, in_q, out_q, report_q)
+    report_q.put(("ready", "teacher", None))
+    teacher.run(plans)

@@ -1,0 +1,307 @@
+"""`tsrl train` as a library function: the orchestrator of one run.
+
+The orchestrator is light: it plans the rounds (prompts drawn by (seed, round)), starts the
+processes, and turns their reports into the run directory (docs/run-directory.md):
+
+    rollout process  --trajectories (GRPO) / closed turns (OPD)-->  [teacher process]  -->  learner process
+          ^                                                                                   |
+          +--------------------------- new weights at round end ------------------------------+
+
+Round clock: round 1 starts when the rollout process starts generating it; round k starts when
+round k-1 ended. A round ends when its weight sync ends: the rollout process has loaded the new
+weights (sync, stream), or the learner has published them (async, whose rollout side runs ahead
+and loads them at its next round boundary). So step times add up to the run's wall time.
+"""
+
+from __future__ import annotations
+
+import queue
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
+from tsrl_cli.errors import UsageError
+from tsrl_cli.rl.process import thread_env
+from tsrl_cli.rl.runlog import RunLog
+from tsrl_cli.rl.tasks import load_task_table, plan_round
+from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
+
+PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker",
+           "tsrl_cli.rl.teacher_worker", "transformers.models.qwen3.modeling_qwen3"]
+EMBEDDED_POLICY = "data/embedded_policy"
+
+
+class TrainError(RuntimeError):
+    """A worker process failed; the message names it and its last traceback line."""
+
+
+def resolve_model(spec: str, key: str) -> str:
+    """A policy directory for `spec`: builtin:toy* is built (cached), a directory must hold a model."""
+    if spec.startswith(TOY_PREFIX):
+        return str(ensure_toy_policy(spec))
+    p = Path(spec)
+    if (p / "config.json").is_file():
+        return str(p)
+    if spec.startswith(EMBEDDED_POLICY):
+        raise UsageError(f"{key}: the embedded default policy is missing ({spec}): run `tsrl prepare-data embedded` "
+                         "first, or pass a model directory")
+    raise UsageError(f"{key}: {spec} is not a model directory (no config.json); pass a directory written by "
+                     "save_pretrained with a ChatML tokenizer, or builtin:toy")
+
+
+def save_at(cfg: TrainConfig, round_: int) -> bool:
+    return round_ == cfg.rounds or (cfg.run.save_every > 0 and round_ % cfg.run.save_every == 0)
+
+
+def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -> tuple[int, str, dict]:
+    """(rounds already done, weights to start from, wall/core offsets); writes config.yaml."""
+    if not resume:
+        if run.started() and (run.rows("metrics.jsonl") or run.checkpoints()):
+            raise UsageError(f"{run.root} already holds a run: pass --resume to continue it, or --out for a new one")
+        for name in ("metrics.jsonl", "events.jsonl", "rollouts.jsonl", "DONE"):  # a start that never finished a round
+            (run.root / name).unlink(missing_ok=True)
+        run.write_config(dump_config(cfg))
+        return 0, policy_dir, {"wall_s": 0.0, "core_s": 0.0}
+    if not run.started():
+        raise UsageError(f"--resume: {run.root} holds no run (no config.yaml)")
+    stored = load_config(run.config_path)
+    diff = config_diff(stored, cfg, ignore=("rounds", "run"))
+    if diff:
+        raise UsageError(f"--resume: the config differs from {run.config_path} in {', '.join(diff)}")
+    ckpts = run.checkpoints()
+    if not ckpts:
+        raise UsageError(f"--resume: {run.root} has no checkpoint; checkpoints are written every --save-every K rounds")
+    k, path = max(ckpts.items())
+    if k >= cfg.rounds and run.done_path.is_file():
+        raise UsageError(f"--resume: {run.root} is complete ({k} rounds); raise --rounds to continue it")
+    run.keep_rounds_up_to(k)
+    run.remove_done()
+    run.write_config(dump_config(cfg))
+    last = run.rows("metrics.jsonl")
+    offsets = {"wall_s": last[-1]["wall_s"] if last else 0.0, "core_s": last[-1]["core_s"] if last else 0.0}
+    return k, str(path), offsets
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
+    """Run (or resume) one training run; returns the summary also written to DONE."""
+    progress = progress or (lambda ev: None)
+    thread_env()  # inherited by the worker processes (and the forkserver) before torch starts
+    from tsrl_cli.rl.learner_worker import objective_from
+
+    objective_from(cfg)  # a loss setting outside streaming's exact scope fails here, before any process starts
+    keys = list(load_task_table(cfg.data.train, cfg.data.limit))
+    policy_dir = resolve_model(cfg.model.policy, "model.policy")
+    teacher_dir = resolve_model(cfg.model.teacher, "model.teacher") if cfg.objective == "opd" else None
+    run = RunLog(cfg.run_dir())
+    start, init_dir, offsets = _prepare_run(run, cfg, resume, policy_dir)
+    plans = [plan_round(keys, cfg.seed, r, cfg.rollout.prompts_per_round, cfg.rollout.group_size, save_at(cfg, r))
+             for r in range(start + 1, cfg.rounds + 1)]
+    progress({"event": "start", "run_dir": str(run.root), "first_round": start + 1, "rounds": cfg.rounds,
+              "trajectories_per_round": plans[0].num_trajectories if plans else 0})
+    if plans:
+        save_initial = cfg.run.save_every > 0 and start == 0
+        with Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans, save_initial) as workers:
+            Orchestrator(cfg, run, workers, plans, offsets, progress).run()
+    summary = summarize(cfg, run)
+    run.write_done(summary)
+    progress({"event": "done", "summary": summary})
+    return summary
+
+
+class Workers:
+    """The rollout, learner and (OPD) teacher processes and their queues."""
+
+    def __init__(self, cfg, init_dir, policy_dir, teacher_dir, start, run_dir, plans, save_initial):
+        import multiprocessing as mp
+
+        from tsrl_cli.rl.learner_worker import learner_main
+        from tsrl_cli.rl.process import guarded
+        from tsrl_cli.rl.rollout_worker import rollout_main
+        from tsrl_cli.rl.teacher_worker import teacher_main
+
+        ctx = mp.get_context(cfg.run.start_method)
+        if cfg.run.start_method == "forkserver":  # workers fork from a server that imported torch once
+            ctx.set_forkserver_preload(PRELOAD)
+        self.report_q, self.weights_q, self.go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        traj_q = ctx.Queue()  # rollout -> learner (GRPO) or rollout -> teacher (OPD)
+        learn_q = ctx.Queue() if teacher_dir else traj_q  # what the learner consumes
+        self.queues = [self.report_q, self.weights_q, traj_q] + ([learn_q] if teacher_dir else [])
+        specs = {
+            "rollout": (rollout_main, (cfg, init_dir, start, plans, traj_q, self.weights_q, self.report_q, self.go)),
+            "learner": (learner_main, (cfg, init_dir, policy_dir, start, run_dir, plans, save_initial, learn_q,
+                                       self.weights_q, self.report_q)),
+        }
+        if teacher_dir:
+            specs["teacher"] = (teacher_main, (cfg, teacher_dir, plans, traj_q, learn_q, self.report_q))
+        self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, fn, *args), name=f"tsrl-{name}",
+                                        daemon=True)
+                      for name, (fn, args) in specs.items()}
+
+    def __enter__(self):
+        for p in self.procs.values():
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs.values():
+            p.join(timeout=0 if exc[0] else 30)
+        for p in self.procs.values():  # only our own children, by handle
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+        for q in self.queues:
+            q.cancel_join_thread()
+            q.close()
+        return False
+
+
+class Orchestrator:
+    def __init__(self, cfg: TrainConfig, run: RunLog, workers: Workers, plans, offsets: dict, progress):
+        self.cfg, self.run_log, self.w, self.plans, self.progress = cfg, run, workers, plans, progress
+        self.offsets = offsets
+        self.parts: dict[int, dict] = {p.round: {} for p in plans}
+        self.applied: dict[int, dict] = {}  # weights version -> rollout-side load times
+        self.on_policy = cfg.schedule != "async"
+        self.next_round = plans[0].round
+        self.round_start: float | None = None
+        self.t_first: float | None = None
+
+    def run(self) -> None:
+        names = set(self.w.procs)
+        ready: set[str] = set()
+        finished: set[str] = set()
+        while finished != names:
+            try:
+                kind, who, payload = self.w.report_q.get(timeout=1.0)
+            except queue.Empty:
+                for name, p in self.w.procs.items():
+                    if name not in finished and p.exitcode is not None:
+                        raise TrainError(f"the {name} process exited with code {p.exitcode} without a report")
+                continue
+            if kind == "error":
+                last = payload.strip().splitlines()[-1] if payload.strip() else "?"
+                raise TrainError(f"the {who} process failed: {last}\n{payload}")
+            if kind == "ready":
+                ready.add(who)
+                if ready == names:
+                    self.w.go.set()
+            elif kind == "done":
+                finished.add(who)
+            elif kind == "progress":
+                self.progress({"event": who, **payload})
+            elif kind == "weights_applied":
+                self.applied[who] = payload
+            else:  # rollout_round | learner_round | teacher_round
+                self.parts[who][kind.removesuffix("_round")] = payload
+            self._close_rounds()
+        if self.next_round <= self.plans[-1].round:
+            raise TrainError(f"the workers stopped before round {self.next_round} was complete")
+
+    def _complete(self, k: int) -> bool:
+        p = self.parts[k]
+        need = {"rollout", "learner"} | ({"teacher"} if self.cfg.objective == "opd" else set())
+        return need <= p.keys() and (not self.on_policy or k in self.applied)
+
+    def _close_rounds(self) -> None:
+        while self.next_round in self.parts and self._complete(self.next_round):
+            k = self.next_round
+            p = self.parts.pop(k)
+            if self.round_start is None:
+                self.round_start = self.t_first = p["rollout"]["gen_start"]
+            if self.on_policy:
+                sync = {"start": p["learner"]["publish"]["start"], "end": self.applied[k]["end"]}
+            else:
+                sync = {"start": p["learner"]["publish"]["start"], "end": p["learner"]["publish"]["end"]}
+            row, events = round_record(self.cfg, k, p, self.round_start, sync)
+            wall = sync["end"] - self.t_first
+            row["wall_s"] = self.offsets["wall_s"] + wall
+            row["core_s"] = self.offsets["core_s"] + wall * len(self.w.procs)
+            self.run_log.append("metrics.jsonl", [row])
+            self.run_log.append("events.jsonl", events)
+            if self.cfg.run.save_rollouts:
+                self.run_log.append("rollouts.jsonl", p["rollout"].get("rollouts", []))
+            self.progress({"event": "round", "row": row})
+            self.round_start = sync["end"]
+            self.next_round += 1
+
+
+def _stat(xs, fn, default=None):
+    xs = [x for x in xs if x is not None]
+    return fn(xs) if xs else default
+
+
+def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -> tuple[dict, list[dict]]:
+    """The metrics row and the events of round k; times relative to the round start t0."""
+    ro, le, te = parts["rollout"], parts["learner"], parts.get("teacher")
+    items = le["items"]
+
+    def rel(t):
+        return None if t is None else t - t0
+
+    last_arrival = le["last_arrival"]
+    step_time = sync["end"] - t0
+    stale = [it["staleness"] for it in items]
+    row = {
+        "round": k, "schedule": cfg.schedule, "objective": cfg.objective, "seed": cfg.seed,
+        "policy_version": ro["version"], "step_time_s": step_time, "rollout_makespan_s": last_arrival - t0,
+        "learner_busy_s": le["busy_s"], "learner_idle_frac": 1.0 - le["busy_s"] / step_time if step_time > 0 else None,
+        "last_arrival_to_step_s": le["step"]["end"] - last_arrival,
+        "optimizer_step_s": le["step"]["end"] - le["step"]["start"], "weight_sync_s": sync["end"] - sync["start"],
+        "staleness_mean": _stat(stale, statistics.fmean), "staleness_max": _stat(stale, max),
+        "peak_mem_rollout_bytes": ro["peak_rss"], "peak_mem_learner_bytes": le["peak_rss"],
+        "accumulator_peak_bytes": le["accumulator_peak_bytes"],
+        "trajectories": ro["trajectories"], "tokens": ro["tokens"], "loss_tokens": ro["loss_tokens"],
+        "reward_mean": ro["reward_mean"], "reward_std": ro["reward_std"], "loss": le["loss"],
+        "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
+        # beyond the contract's required keys
+        "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
+        "weight_bytes": le["publish"]["bytes"],
+    }
+    if te is not None:
+        row["peak_mem_teacher_bytes"] = te["peak_rss"]
+        row["teacher_busy_s"] = te["busy_s"]
+        row["opd_reverse_kl"] = le["opd_reverse_kl"]
+    if le.get("checkpoint"):
+        row["checkpoint_s"] = le["checkpoint_s"]
+    stream = cfg.schedule == "stream"
+    events = [{"round": k, "event": "item", "id": it["id"], "group_id": it["group_id"],
+               "sample_index": it["sample_index"], "turn": it["turn"], "finished_at_s": rel(it["finished_at"]),
+               "backward_start_s": rel(it["backward_start"]), "backward_end_s": rel(it["backward_end"]),
+               "learner_cost_s": it["backward_end"] - it["backward_start"] if stream else None,
+               "tokens": it["tokens"], "loss_tokens": it["loss_tokens"], "staleness": it["staleness"],
+               "reward": it["reward"]} for it in items]
+    if le["batch"] is not None:
+        b = le["batch"]
+        events.append({"round": k, "event": "batch_backward", "start_s": rel(b["start"]), "end_s": rel(b["end"]),
+                       "items": b["items"], "loss_tokens": b["loss_tokens"]})
+    events += [{"round": k, "event": "group_close", "group_id": g["group_id"], "at_s": rel(g["at"])}
+               for g in le["group_close"]]
+    events.append({"round": k, "event": "step", "start_s": rel(le["step"]["start"]), "end_s": rel(le["step"]["end"])})
+    events.append({"round": k, "event": "weight_sync", "start_s": rel(sync["start"]), "end_s": rel(sync["end"])})
+    events.append({"round": k, "event": "round_end", "at_s": step_time, "learners": 1})
+    return row, events
+
+
+def summarize(cfg: TrainConfig, run: RunLog) -> dict:
+    rows = run.rows("metrics.jsonl")
+    warm = rows[1:] if len(rows) > 1 else rows  # round 1 pays one-off costs (first batches, allocator)
+    ckpts = run.checkpoints()
+    return {
+        "run_dir": str(run.root), "name": cfg.name, "objective": cfg.objective, "schedule": cfg.schedule,
+        "seed": cfg.seed, "rounds": len(rows), "exact": cfg.schedule != "async",
+        "step_time_median_s": _stat([r["step_time_s"] for r in warm], statistics.median),
+        "step_time_mean_s": _stat([r["step_time_s"] for r in warm], statistics.fmean),
+        "learner_idle_frac_mean": _stat([r["learner_idle_frac"] for r in warm], statistics.fmean),
+        "rollout_makespan_median_s": _stat([r["rollout_makespan_s"] for r in warm], statistics.median),
+        "reward_first": rows[0]["reward_mean"] if rows else None,
+        "reward_last": rows[-1]["reward_mean"] if rows else None,
+        "reward_mean": _stat([r["reward_mean"] for r in rows], statistics.fmean),
+        "staleness_max": _stat([r["staleness_max"] for r in rows], max),
+        "peak_mem_learner_bytes": _stat([r["peak_mem_learner_bytes"] for r in rows], max),
+        "accumulator_peak_bytes": _stat([r["accumulator_peak_bytes"] for r in rows], max),
+        "wall_s": rows[-1]["wall_s"] if rows else 0.0, "core_s": rows[-1]["core_s"] if rows else 0.0,
+        "checkpoint": str(ckpts[max(ckpts)]) if ckpts else None,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

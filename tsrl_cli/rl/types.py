@@ -1,0 +1,78 @@
+"""What flows between the processes of a run. Plain picklable dataclasses; times are
+time.monotonic() seconds (one system-wide clock on Linux, so processes' stamps compare)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tsrl_cli.rollouts import Rollout
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    group_id: str  # unique in the round: the task key (suffixed #k if a task is drawn twice)
+    task_key: str  # "<dataset>/<task_id>"
+    size: int  # samples of this prompt (GRPO group size)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int  # 1-based
+    groups: tuple[GroupSpec, ...]
+    save_checkpoint: bool = False
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(g.size for g in self.groups)
+
+    def group_sizes(self) -> dict[str, int]:
+        return {g.group_id: g.size for g in self.groups}
+
+
+@dataclass
+class TrajectoryDone:
+    """A finished trajectory with its reward. GRPO: the learner's item. OPD: ends the trajectory
+    (its turns came before, as TurnScored); the teacher fills rollout.teacher_logprobs."""
+
+    round: int
+    policy_version: int  # the weights that generated it
+    rollout: Rollout
+    task_key: str
+    exit_reason: str
+    num_turns: int
+    finished_at: float  # when it left the rollout process (GRPO) or the teacher (OPD)
+    tool_s: float = 0.0  # real tool time
+    injected_s: float = 0.0  # injected tool latency
+
+
+@dataclass
+class TurnClosed:
+    """OPD, rollout -> teacher: model turn `turn` just closed; the token prefix up to its end."""
+
+    round: int
+    policy_version: int
+    group_id: str
+    sample_index: int
+    turn: int
+    input_ids: list[int]  # prefix: input_ids[:end of this turn]
+    loss_mask: list[int]
+    turn_spans: list[tuple[int, int]]  # spans of turns 0..turn
+    closed_at: float
+
+
+@dataclass
+class TurnScored:
+    """OPD, teacher -> learner: one teacher-scored turn, the learner's item.
+
+    `rollout` is the trajectory so far (input_ids up to the turn's end) with teacher_logprobs
+    aligned. Its turn_spans end with an empty placeholder span [end, end) standing for the turns
+    still to come: StreamLearner.on_turn ends a trajectory when it has seen len(turn_spans) turns,
+    and the number of turns is known only when the trajectory ends (TrajectoryDone).
+    """
+
+    round: int
+    policy_version: int
+    rollout: Rollout
+    turn: int
+    closed_at: float  # turn close in the rollout process
+    finished_at: float  # scores ready (arrival at the learner's queue)
