@@ -20,6 +20,7 @@ from tsrl_cli.cli.policy import policy_app
 from tsrl_cli.cli.train import TRAIN_EPILOG, train
 from tsrl_cli.cli.predict import predict
 from tsrl_cli.cli.report import report
+from tsrl_cli.cli.sweep import SWEEP_EPILOG, sweep
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(
@@ -59,6 +60,7 @@ app.add_typer(env_app, name="env")
 app.add_typer(policy_app, name="policy")
 app.command("train", epilog=TRAIN_EPILOG)(train)
 app.add_typer(bench_app, name="bench")
+app.command("sweep", epilog=SWEEP_EPILOG)(sweep)
 app.add_typer(eval_app, name="eval")
 
 
