@@ -122,3 +122,18 @@ def test_start_state_fails_and_gold_patch_fixes(built, tmp_path):
         subprocess.run(["git", "apply", "-"], cwd=fixed, input=t.gold_patch, text=True, check=True)
         assert (fixed / t.meta["file"]).read_text() == (SRC_DIR / t.repo.split("/")[1] / t.meta["file"]).read_text()
         assert repair_reward(_run(fixed, t), t.fail_to_pass, t.pass_to_pass).reward == 1.0, t.task_id
+
+
+def test_test_budget_is_cpu_time_not_wall_time(tmp_path):
+    """A spinning mutant is cut by its CPU budget; a slow-but-idle suite (sleeping 2 s, as a loaded
+    machine would make it wait) still completes: which bugs are kept must not depend on the load."""
+    import time
+
+    (tmp_path / "test_spin.py").write_text("def test_spin():\n    while True:\n        pass\n")
+    t0 = time.monotonic()
+    assert run_tests(tmp_path, timeout_s=1) is None
+    assert time.monotonic() - t0 < 20
+    (tmp_path / "test_spin.py").unlink()
+    (tmp_path / "test_slow.py").write_text("import time\n\ndef test_slow():\n    time.sleep(2)\n")
+    status, _ = run_tests(tmp_path, timeout_s=1)
+    assert status == {"test_slow.py::test_slow": "PASSED"}

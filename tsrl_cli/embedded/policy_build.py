@@ -46,8 +46,8 @@ class PolicyBuildConfig:
     # stage 2, from stage 1's bf16 weights: the training tasks' demos plus a share of the extra ones
     aug_share_stage2: float = 0.25
     stage2_lr: float = 1e-3
-    student_epochs: int = 2  # the student is stage 2's snapshot after this many epochs ...
-    teacher_epochs: int = 4  # ... the teacher is stage 2's final weights (trained longer)
+    student_epochs: int = 6  # the student is stage 2's snapshot after this many epochs ...
+    teacher_epochs: int = 8  # ... the teacher is stage 2's final weights (trained longer)
     sft: SFTConfig = field(default_factory=SFTConfig)  # its `epochs` and `lr` are set per stage
     demos: DemoConfig = field(default_factory=lambda: DemoConfig(concurrency=6))
 
@@ -163,9 +163,11 @@ def build_key(data_root: str | Path, cfg: PolicyBuildConfig) -> str:
     since SFT is only reproducible bit for bit with the same kernels)."""
     import hashlib
 
-    from tsrl_cli.datasets.records import read_manifest
+    from tsrl_cli.datasets.records import load_dataset_dir, records_sha256
 
-    parts = [read_manifest(Path(data_root) / name).get("content_sha256", "") for name in TRAIN_SETS]
+    # the records themselves, not the manifest's content hash: that one also covers the evaluation
+    # sets' paths, so the same suite prepared in another folder would never match
+    parts = [records_sha256(load_dataset_dir(Path(data_root) / name)[1]) for name in TRAIN_SETS]
     blob = json.dumps([parts, _jsonable(cfg), torch.__version__.split("+")[0]], sort_keys=True)
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 

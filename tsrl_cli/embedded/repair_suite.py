@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 import os
 import random
 import re
@@ -263,22 +264,32 @@ def _copy_repo(src: Path, dst: Path) -> None:
 
 # pytest under an address-space limit: a mutated loop that grows a list forever dies at 2 GiB
 # instead of taking the machine; the wall-clock limit is subprocess's timeout.
+# The budget is CPU seconds (RLIMIT_CPU), not wall seconds: which bugs are kept must not depend on
+# how busy the machine is. A wall-clock budget of 4 s dropped different mutants under load and gave
+# a different suite for the same seed (results/LOG.md, 2026-11-30).
 _PYTEST = ("import resource, sys; import pytest; "
            "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)); "
+           "cpu = int(sys.argv.pop(1)); resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu)); "
            "sys.exit(pytest.main(sys.argv[1:]))")
 
 
 def run_tests(repo: Path, timeout_s: float = 4.0) -> tuple[dict[str, str], str] | None:
-    """(test id -> status, pytest output) for the whole suite in `repo`; None when it timed out.
+    """(test id -> status, pytest output) for the whole suite in `repo`; None when it ran out of time.
 
-    Plugin autoload is off (0.2 s per run instead of 1 s here) and no bytecode is written: two
-    mutants of equal size written within one second would otherwise share a stale .pyc.
+    `timeout_s` is CPU seconds (a clean suite takes about 0.3); the wall clock only guards against a
+    process that sleeps forever (30x the budget). Plugin autoload is off (0.2 s per run instead of
+    1 s here) and no bytecode is written: two mutants of equal size written within one second would
+    otherwise share a stale .pyc.
     """
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
-    cmd = [sys.executable, "-c", _PYTEST, "-rA", "-q", "-p", "no:cacheprovider", "--tb=short"]
+    cpu = max(1, math.ceil(timeout_s))
+    cmd = [sys.executable, "-c", _PYTEST, str(cpu), "-rA", "-q", "-p", "no:cacheprovider", "--tb=short"]
     try:
-        res = subprocess.run(cmd, check=False, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+        res = subprocess.run(cmd, check=False, cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=30 * timeout_s)
     except subprocess.TimeoutExpired:
+        return None
+    if res.returncode < 0:  # killed by a signal: SIGXCPU (the CPU budget) or the memory cap
         return None
     return parse_pytest_log(res.stdout), res.stdout
 
