@@ -183,3 +183,14 @@ def test_cli_bad_flags_exit_2(tmp_path):
     p.write_text("finished_at_s,learner_cost_s\n1.0,2.0\n")
     assert runner.invoke(app, ["predict", "--trace", str(p), "--learners", "0"]).exit_code == 2
     assert runner.invoke(app, ["predict", "--trace", str(tmp_path / "none.csv")]).exit_code == 2
+
+
+def test_items_generated_before_the_round_wait_at_its_start():
+    """async: data generated ahead has negative finished_at_s; it is queued at t=0 (hand-computed)."""
+    from tsrl_cli.predict import Item, predict_round
+
+    p = predict_round([Item(-3.0, 1.0), Item(-1.0, 1.0), Item(2.0, 1.0)])
+    assert p["stream_s"] == 3.0  # 0-1, 1-2, then the third arrives at 2 and ends at 3
+    assert p["sync_s"] == 2.0 + 3.0  # last arrival 2, then 3 s of work
+    q = predict_round([Item(-3.0, 1.0), Item(-1.0, 2.0)])
+    assert q["sync_s"] == 3.0 and q["stream_s"] == 3.0  # everything waits at 0: no arrival to overlap

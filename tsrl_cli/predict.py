@@ -77,7 +77,7 @@ def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1) -> float
 
 def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1) -> dict:
     """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling."""
-    makespan = max((i.finished_at_s for i in items), default=0.0)
+    makespan = max(0.0, max((i.finished_at_s for i in items), default=0.0))  # async items may predate the round
     work = sum(i.learner_cost_s for i in items)
     per_learner = work / learners
     t_sync = makespan + per_learner + step_s + sync_s
@@ -229,6 +229,8 @@ def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
 
 
 def _num(p: Path, n: int, row: dict, key: str, required: bool = True) -> float | None:
+    """A finite number >= 0; `finished_at_s` may be negative: an async item generated before its
+    round started (docs/run-directory.md) is waiting at the round's start, which the model handles."""
     v = row.get(key)
     if v in (None, ""):
         if required:
@@ -238,7 +240,7 @@ def _num(p: Path, n: int, row: dict, key: str, required: bool = True) -> float |
         x = float(v)
     except (TypeError, ValueError):
         raise UsageError(f"{p}:{n}: field '{key}': not a number ({v!r})") from None
-    if not math.isfinite(x) or x < 0:
+    if not math.isfinite(x) or (x < 0 and key != "finished_at_s"):
         raise UsageError(f"{p}:{n}: field '{key}': must be a finite number >= 0 (got {v!r})")
     return x
 

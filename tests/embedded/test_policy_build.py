@@ -63,7 +63,6 @@ def test_validated_states_give_the_verifiers_reward(root, monkeypatch):
         env = make_env(t, d)
         await env.start()
         try:
-            file, line, _, _ = parse_one_line_patch(t.gold_patch)
             apply_one_line_patch(env.sandbox.workdir, t.gold_patch)
             (env.sandbox.workdir / "notes.txt").write_text("x")
             return env._known_reward(), await env.reward()
@@ -84,7 +83,7 @@ def test_tiny_build_end_to_end_and_reuse(root):
     pol = res["policy"]
     assert not pol["unchanged"] and pol["key"] == build_key(root, TINY)
     for role in ("student", "teacher"):
-        model, tok = load_policy(root / "embedded_policy" / role)
+        model, _ = load_policy(root / "embedded_policy" / role)
         assert next(model.parameters()).dtype == torch.float32  # stored in bf16, loaded in the asked dtype
         info = json.loads((root / "embedded_policy" / role / "policy.json").read_text())
         assert info["role"] == role and info["stage2_epochs"] == {"student": 1, "teacher": 2}[role]

@@ -128,3 +128,16 @@ def test_async_runs_give_the_budget_comparison(tmp_path):
     assert "stream" in md and "vs async" in md
     budget = read_csv(root / "report" / "tables" / "reward_at_budget.csv")
     assert {r["schedule"] for r in budget} == {"sync", "stream", "async"}
+
+
+def test_warmup_defaults_to_the_sweeps(tmp_path):
+    """`tsrl report` without --warmup takes the warm-up that `tsrl sweep` wrote to sweep.json."""
+    import json as _json
+
+    from tsrl_cli.report.build import WARMUP_ROUNDS, sweep_warmup
+
+    assert sweep_warmup(tmp_path) == WARMUP_ROUNDS
+    (tmp_path / "sweep.json").write_text(_json.dumps({"warmup": 2}))
+    assert sweep_warmup(tmp_path) == 2
+    (tmp_path / "sweep.json").write_text("{not json")
+    assert sweep_warmup(tmp_path) == WARMUP_ROUNDS

@@ -17,10 +17,10 @@ from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
-from tsrl_cli.cli.train import TRAIN_EPILOG, train
 from tsrl_cli.cli.predict import predict
 from tsrl_cli.cli.report import report
 from tsrl_cli.cli.sweep import SWEEP_EPILOG, sweep
+from tsrl_cli.cli.train import TRAIN_EPILOG, train
 from tsrl_cli.cli.verify import verify
 
 app = typer.Typer(

@@ -14,7 +14,7 @@ def report(
     results_dir: Annotated[str, typer.Argument(help="Results tree: <experiment>/<schedule>/seed<k>/ run directories.")] = "results",
     *,
     out: Annotated[str | None, typer.Option(help="Output directory (default: RESULTS_DIR/report).")] = None,
-    warmup: Annotated[int, typer.Option(help="Warm-up rounds excluded from every average.")] = 4,
+    warmup: Annotated[int | None, typer.Option(help="Warm-up rounds excluded from every average (default: the `warmup` in RESULTS_DIR/sweep.json written by tsrl sweep, else 4).")] = None,
     last_round: Annotated[int, typer.Option(help="Last round averaged.")] = 40,
     spread_key: Annotated[str, typer.Option(help="Dotted config.yaml key whose value is an experiment's spread (x of the speedup-vs-spread figure).")] = "rollout.tool_latency_sigma",
     target_reward: Annotated[float | None, typer.Option(help="Reward target for compute-to-target (default: per experiment, the highest rolling reward every run reaches).")] = None,

@@ -356,21 +356,6 @@ async def run_demo(task, dataset_dir: Path, variant: str, cfg: DemoConfig = Demo
             "messages": messages, "reward": float(reward.reward), "reason": reward.reason,
             "seconds": round(time.perf_counter() - t0, 3)}
 
-    file, line, _bug, gold_line = parse_one_line_patch(task.gold_patch)
-    start = (Path(dataset_dir) / task.start_dir / file).read_text()
-    lines = start.splitlines(keepends=True)
-    end = lines[line - 1][len(lines[line - 1].rstrip("\r\n")):]
-    lines[line - 1] = gold_line + end
-    try:
-        now = (Path(workdir) / file).read_text()
-    except OSError:
-        return None
-    if now == "".join(lines):
-        return RewardResult(1.0, "the validated gold state (tests pass: checked when the suite was built)")
-    if now == start:
-        return RewardResult(0.0, "the validated start state (FAIL_TO_PASS fail: checked when the suite was built)")
-    return None
-
 
 async def make_demos_async(tasks: Iterable[tuple[Path, object]], cfg: DemoConfig = DemoConfig(),
                            progress: Callable[[int, int], None] = lambda done, total: None,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
@@ -47,7 +48,7 @@ PAPER = {
 class ReportOptions:
     results_dir: str = "results"
     out_dir: str | None = None  # default: <results_dir>/report
-    warmup: int = WARMUP_ROUNDS
+    warmup: int | None = WARMUP_ROUNDS  # None: RESULTS_DIR/sweep.json's warm-up (tsrl sweep), else WARMUP_ROUNDS
     last_round: int = LAST_ROUND
     spread_key: str = "rollout.tool_latency_sigma"  # dotted key in each run's config.yaml: the x of the spread figure
     target_reward: float | None = None
@@ -56,11 +57,22 @@ class ReportOptions:
     include_partial: bool = False
 
 
+def sweep_warmup(root: Path) -> int:
+    """The warm-up `tsrl sweep` planned with (RESULTS_DIR/sweep.json), else the paper's 4 rounds."""
+    try:
+        w = json.loads((root / "sweep.json").read_text()).get("warmup")
+    except (OSError, ValueError, AttributeError):
+        return WARMUP_ROUNDS
+    return w if isinstance(w, int) and w >= 0 else WARMUP_ROUNDS
+
+
 def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m: None) -> dict:
     """Write the report; return what was written and the notes (also in REPORT.md)."""
     root = Path(opts.results_dir)
     if not root.is_dir():
         raise UsageError(f"{root}: results directory not found (expected <experiment>/<schedule>/seed<k>/ runs)")
+    if opts.warmup is None:
+        opts = replace(opts, warmup=sweep_warmup(root))
     if opts.warmup < 0 or opts.last_round <= opts.warmup:
         raise UsageError(f"--warmup {opts.warmup} / --last-round {opts.last_round}: need 0 <= warmup < last round")
     out = Path(opts.out_dir) if opts.out_dir else root / "report"
