@@ -94,6 +94,16 @@ class OffPolicyConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation during training (tsrl_cli/evals/embedded.py), greedy, in the local sandbox."""
+
+    every: int = 0  # evaluate the weights after every K-th round (and the initial ones); 0 = off
+    datasets: tuple[str, ...] = ("embedded_repair_heldout", "embedded_terminal_heldout")
+    samples: int = 1  # trajectories per task
+    limit: int | None = None  # first N tasks of each dataset (None: all)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     out: str | None = None  # run directory (None: results/<name>/<schedule>/seed<seed>)
     save_every: int = 0  # checkpoint every K rounds (and round-0); 0 = only at the end
@@ -114,6 +124,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def run_dir(self) -> Path:
@@ -294,7 +305,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     for k, v in positive.items():
         if v < 1:
             raise ConfigError(f"config key {k}: must be >= 1, got {v}")
-    nonneg = {"optim.lr": cfg.optim.lr, "optim.grad_clip": cfg.optim.grad_clip, "run.save_every": cfg.run.save_every,
+    nonneg = {"optim.lr": cfg.optim.lr, "optim.grad_clip": cfg.optim.grad_clip, "run.save_every": cfg.run.save_every, "eval.every": cfg.eval.every,
               "rollout.tool_latency_median_s": cfg.rollout.tool_latency_median_s,
               "rollout.tool_latency_sigma": cfg.rollout.tool_latency_sigma, "optim.weight_decay": cfg.optim.weight_decay}
     for k, v in nonneg.items():

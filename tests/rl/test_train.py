@@ -255,3 +255,27 @@ def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path):
     train(cfg)
     m = rows(cfg.run_dir(), "metrics.jsonl")
     assert len(m) == 1 and m[0]["trajectories"] == 2 and not any(k.startswith("env_error") for k in m[0]["exit_reasons"])
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
+                    reason="no sandbox isolation (bubblewrap or unshare)")
+def test_eval_every_writes_held_out_metrics(toy_config, tmp_path):
+    """eval.every K: the initial and every K-th round's weights are evaluated on a held-out set; the
+    numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint)."""
+    from tsrl_cli.embedded.sft import load_policy
+    from tsrl_cli.evals.embedded import evaluate_embedded
+
+    res = CliRunner().invoke(app_(), ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
+                                      "--out", str(tmp_path / "tb"), "--json"])
+    assert res.exit_code == 0, res.output
+    held = str(tmp_path / "tb")
+    cfg = toy_config("eval.every=2", f"eval.datasets=[{held}]", "rollout.max_turns=2", out="ev", rounds=2)
+    train(cfg)
+    m = rows(cfg.run_dir(), "metrics.jsonl")
+    assert len(m) == 2 and not any(k.startswith("eval/") for k in m[0])
+    keys = {f"eval/tb/{s}" for s in ("success", "n", "ci95_low", "ci95_high")}  # the dataset's folder name
+    assert keys <= set(m[1]) and m[1]["eval/tb/n"] >= 1
+    assert (cfg.run_dir() / "eval_round0.json").is_file() and (cfg.run_dir() / "DONE").is_file()
+    model, tok = load_policy(cfg.run_dir() / "checkpoints" / "round-2")
+    direct = evaluate_embedded(model, tok, [held])
+    assert {k: m[1][k] for k in keys} == direct["metrics"]  # greedy: the same checkpoint gives the same numbers

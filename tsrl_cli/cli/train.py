@@ -143,6 +143,10 @@ class TrainDisplay:
             elapsed = time.monotonic() - self._round_t0  # display clock: since the previous round ended
             busy = f"{100 * min(1.0, ev['busy_s'] / elapsed):.0f} %" if elapsed > 0 else "-"
             self._progress.update(self._rounds, description=f"rounds (learner busy {busy})")
+        elif kind == "eval":
+            vals = ", ".join(f"{k.split('/')[1]} {100 * v:.1f} %" for k, v in ev["metrics"].items()
+                             if k.endswith("/success"))
+            self.console.print(f"[dim]· held-out eval after round {ev['round']}: {vals}[/dim]", highlight=False)
         elif kind == "run":
             self.console.print(f"[dim]· bench: {ev['schedule']} (repeat {ev['repeat']}) -> {ev['run_dir']}[/dim]",
                                highlight=False)

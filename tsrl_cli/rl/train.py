@@ -52,7 +52,8 @@ def resolve_model(spec: str, key: str) -> str:
 
 
 def save_at(cfg: TrainConfig, round_: int) -> bool:
-    return round_ == cfg.rounds or (cfg.run.save_every > 0 and round_ % cfg.run.save_every == 0)
+    return (round_ == cfg.rounds or (cfg.run.save_every > 0 and round_ % cfg.run.save_every == 0)
+            or (cfg.eval.every > 0 and round_ % cfg.eval.every == 0))
 
 
 def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -> tuple[int, str, dict]:
@@ -101,13 +102,50 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     progress({"event": "start", "run_dir": str(run.root), "first_round": start + 1, "rounds": cfg.rounds,
               "trajectories_per_round": plans[0].num_trajectories if plans else 0})
     if plans:
-        save_initial = cfg.run.save_every > 0 and start == 0
+        save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
         with Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans, save_initial) as workers:
             Orchestrator(cfg, run, workers, plans, offsets, progress).run()
+    if cfg.eval.every > 0:
+        evaluate_checkpoints(cfg, run, progress)
     summary = summarize(cfg, run)
     run.write_done(summary)
     progress({"event": "done", "summary": summary})
     return summary
+
+
+def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict], None]) -> None:
+    """`eval.every` K: the held-out evaluation of the weights after every K-th round, from its checkpoint.
+
+    It runs after the rounds, in this process, so that it never shares the cores with rollout or
+    learning and the rounds' timings stay clean. Its metrics (`eval/<dataset>/success`, `/n`,
+    `/ci95_low`, `/ci95_high`) join that round's metrics row (rewritten atomically); the initial
+    weights' evaluation (round-0) goes to `eval_round0.json`. Rounds already evaluated are skipped.
+    """
+    import json
+
+    from tsrl_cli.embedded.sft import load_policy
+    from tsrl_cli.evals.embedded import evaluate_embedded
+    from tsrl_cli.rl.runlog import write_atomic
+
+    rows = run.rows("metrics.jsonl")
+    by_round = {r["round"]: r for r in rows}
+    for k, ckpt in run.checkpoints().items():
+        if k % cfg.eval.every or (k in by_round and any(key.startswith("eval/") for key in by_round[k])):
+            continue
+        if k == 0 and (run.root / "eval_round0.json").is_file():
+            continue
+        if k != 0 and k not in by_round:
+            continue
+        model, tok = load_policy(ckpt)
+        res = evaluate_embedded(model, tok, list(cfg.eval.datasets), samples=cfg.eval.samples,
+                                limit=cfg.eval.limit, model_name=str(ckpt))
+        metrics = res["metrics"]
+        progress({"event": "eval", "round": k, "metrics": metrics})
+        if k == 0:
+            write_atomic(run.root / "eval_round0.json", json.dumps(metrics, indent=1) + "\n")
+        else:
+            by_round[k].update(metrics)
+            write_atomic(run.root / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 class Workers:
