@@ -324,3 +324,14 @@ def require_docker(what: str) -> None:
     if reason:
         raise UsageError(f"{what} needs Docker, and it is not available here: {reason}. Nothing was run or graded; "
                          "run it where a Docker daemon answers (`docker info`)")
+
+
+def select_instances(tasks: list, instances, dataset: str) -> list:
+    """The tasks named by --instances, in that order (all when none); an unknown id is a usage error."""
+    if not instances:
+        return tasks
+    by_id = {t.task_id: t for t in tasks}
+    unknown = [i for i in instances if i not in by_id]
+    if unknown:
+        raise UsageError(f"--instances: {', '.join(unknown[:3])} not in {dataset}")
+    return [by_id[i] for i in instances]

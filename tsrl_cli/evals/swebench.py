@@ -278,16 +278,12 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be >= 1")
     from tsrl_cli.evals.embedded import load_datasets
+    from tsrl_cli.evals.runner import select_instances
 
     name, d, tasks = load_datasets([dataset], hint="run `tsrl prepare-data swebench-verified` first")[0]
     if any(t.kind != "repair" for t in tasks):
         raise UsageError(f"{dataset}: not a repair dataset")
-    if instances:
-        by_id = {t.task_id: t for t in tasks}
-        unknown = [i for i in instances if i not in by_id]
-        if unknown:
-            raise UsageError(f"--instances: {', '.join(unknown[:3])} not in {dataset}")
-        tasks = [by_id[i] for i in instances]
+    tasks = select_instances(tasks, instances, dataset)
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-{Path(model).name}"
     rows = None if (no_grade or harness_dataset) else [harness_row(t) for t in tasks]
     if rows:

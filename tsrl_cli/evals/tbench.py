@@ -83,17 +83,13 @@ class DockerTerminalEnv(TerminalEnv):
 def _select(dataset: str, limit: int | None, instances: list[str] | None):
     from tsrl_cli.datasets.records import read_manifest
     from tsrl_cli.evals.embedded import load_datasets
+    from tsrl_cli.evals.runner import select_instances
 
     name, d, tasks = load_datasets([dataset], None, hint="prepare it with `tsrl prepare-data terminal-bench --from DIR` "
                                    "(or `tsrl prepare-data embedded`)")[0]
     if any(t.kind != "terminal" for t in tasks):
         raise UsageError(f"{dataset}: not a terminal-task dataset")
-    if instances:
-        by_id = {t.task_id: t for t in tasks}
-        unknown = [i for i in instances if i not in by_id]
-        if unknown:
-            raise UsageError(f"--instances: {', '.join(unknown[:3])} not in {dataset}")
-        tasks = [by_id[i] for i in instances]
+    tasks = select_instances(tasks, instances, dataset)
     return name, d, tasks[:limit] if limit else tasks, read_manifest(d).get("source", "?")
 
 
