@@ -14,12 +14,9 @@ needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.wh
 
 
 @pytest.fixture(scope="module")
-def tb(tmp_path_factory):
+def tb(tmp_path_factory, prepare_fixture):
     out = tmp_path_factory.mktemp("ds") / "tb"
-    res = runner.invoke(app, ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
-                              "--out", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    return out
+    return prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", out)
 
 
 def test_list_tasks_json(tb):

@@ -18,13 +18,10 @@ pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("
 
 
 @pytest.fixture(scope="module")
-def ds(tmp_path_factory):
+def ds(tmp_path_factory, prepare_fixture):
     """A Harbor task written for local runs (tests/fixtures/harbor_local), prepared like any other."""
     out = tmp_path_factory.mktemp("tb") / "tb"
-    res = CliRunner().invoke(app, ["prepare-data", "terminal-bench", "--from", "tests/fixtures/harbor_local",
-                                   "--out", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    return out
+    return prepare_fixture("terminal-bench", "tests/fixtures/harbor_local", out)
 
 
 def play(ds, task_id, replies, tok):

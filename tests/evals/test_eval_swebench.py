@@ -37,12 +37,9 @@ def swebench_or_skip():
 
 
 @pytest.fixture(scope="module")
-def ds(tmp_path_factory):
+def ds(tmp_path_factory, prepare_fixture):
     out = tmp_path_factory.mktemp("ds") / "swebench_verified"
-    res = CliRunner().invoke(app, ["prepare-data", "swebench-verified", "--from", "tests/fixtures/swebench_verified/test.jsonl",
-                                   "--out", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    return out
+    return prepare_fixture("swebench-verified", "tests/fixtures/swebench_verified/test.jsonl", out)
 
 
 @pytest.fixture

@@ -21,12 +21,9 @@ BOGUS_DOCKER = "unix:///nonexistent/tsrl-test-docker.sock"
 
 
 @pytest.fixture(scope="module")
-def tbds(tmp_path_factory):
+def tbds(tmp_path_factory, prepare_fixture):
     out = tmp_path_factory.mktemp("ds") / "terminal_bench"
-    res = CliRunner().invoke(app, ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
-                                   "--out", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    return out
+    return prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", out)
 
 
 @needs_isolation

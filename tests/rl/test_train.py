@@ -245,11 +245,9 @@ def app_():
 
 @pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
                     reason="no sandbox isolation (bubblewrap or unshare)")
-def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path):
+def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path, prepare_fixture):
     """The same engine on a prepared dataset: one sandbox per trajectory and the task's own verifier."""
-    res = CliRunner().invoke(app_(), ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
-                                      "--out", str(tmp_path / "tb"), "--json"])
-    assert res.exit_code == 0, res.output
+    prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
     cfg = toy_config(f"data.train=[{tmp_path / 'tb'}]", "rollout.prompts_per_round=1", "rollout.group_size=2",
                      "rollout.max_turns=2", out="sandbox", rounds=1)
     train(cfg)
@@ -259,15 +257,13 @@ def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path):
 
 @pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
                     reason="no sandbox isolation (bubblewrap or unshare)")
-def test_eval_every_writes_held_out_metrics(toy_config, tmp_path):
+def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixture):
     """eval.every K: the initial and every K-th round's weights are evaluated on a held-out set; the
     numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint)."""
     from tsrl_cli.embedded.sft import load_policy
     from tsrl_cli.evals.embedded import evaluate_embedded
 
-    res = CliRunner().invoke(app_(), ["prepare-data", "terminal-bench", "--from", "tests/fixtures/terminal_bench",
-                                      "--out", str(tmp_path / "tb"), "--json"])
-    assert res.exit_code == 0, res.output
+    prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
     held = str(tmp_path / "tb")
     cfg = toy_config("eval.every=2", f"eval.datasets=[{held}]", "rollout.max_turns=2", out="ev", rounds=2)
     train(cfg)
