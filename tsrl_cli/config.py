@@ -104,6 +104,25 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA through PEFT (tsrl_cli/rl/placement.py); rank 0 = full fine-tuning."""
+
+    rank: int = 0  # adapter rank r; > 0 freezes the base and trains adapters only
+    alpha: float = 16.0  # scaling alpha / r (PEFT lora_alpha)
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class DevicesConfig:
+    """One device per process: cpu, a CUDA index (4), cuda:N; ranges (4-7) are refused for now."""
+
+    # a bare CUDA index is an int in YAML (`learner: 4`, `--set devices.learner=4`): both are accepted
+    rollout: str | int = "cpu"  # the policy engine
+    learner: str | int = "cpu"  # the model being trained, its optimizer and streaming buffers
+    teacher: str | int | None = None  # OPD teacher; None = the rollout device
+
+
+@dataclass(frozen=True)
 class RunConfig:
     out: str | None = None  # run directory (None: results/<name>/<schedule>/seed<seed>)
     save_every: int = 0  # checkpoint every K rounds (and round-0); 0 = only at the end
@@ -125,6 +144,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def run_dir(self) -> Path:
@@ -317,6 +338,20 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"config key data.limit: must be >= 1 (or null for all), got {cfg.data.limit}")
     if not cfg.data.train:
         raise ConfigError("config key data.train: name at least one prepared dataset")
+    if cfg.lora.rank < 0 or cfg.lora.alpha <= 0:
+        raise ConfigError(f"config key lora: rank must be >= 0 (0 = full fine-tuning) and alpha > 0, got "
+                          f"rank {cfg.lora.rank}, alpha {cfg.lora.alpha}")
+    if cfg.lora.rank and not cfg.lora.targets:
+        raise ConfigError("config key lora.targets: name at least one module (e.g. q_proj) when lora.rank > 0")
+    from tsrl_cli.rl.placement import one_device
+
+    for side in ("rollout", "learner", "teacher"):
+        spec = getattr(cfg.devices, side)
+        if spec is not None:
+            try:
+                one_device(spec, f"devices.{side}")
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"config key name: {cfg.name!r} must be a non-empty name without '/'")
     return cfg

@@ -160,7 +160,7 @@ def lazy_loss(model, rollouts: Sequence[Rollout], obj: Objective) -> torch.Tenso
 
     if obj.kind == "grpo":
         adv = grpo_advantages(rollouts, obj)
-        adv_B_1 = torch.tensor([[adv[r.key]] for r in rollouts], dtype=torch.float64).to(logp.dtype)
+        adv_B_1 = torch.tensor([[adv[r.key]] for r in rollouts], dtype=torch.float64).to(device=logp.device, dtype=logp.dtype)
         main = pg_token_loss(logp, adv_B_1)
     else:
         main = _opd_main(obj, logp, aligned("teacher_logprobs"))

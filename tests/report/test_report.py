@@ -141,3 +141,19 @@ def test_warmup_defaults_to_the_sweeps(tmp_path):
     assert sweep_warmup(tmp_path) == 2
     (tmp_path / "sweep.json").write_text("{not json")
     assert sweep_warmup(tmp_path) == WARMUP_ROUNDS
+
+
+def test_paired_speedup_rows_by_hand():
+    """Sync trace prices sync (10 s), stream trace prices stream (5 s): predicted 2.0 against measured
+    10 / 5.5; the stream trace alone predicted 1.5."""
+    from tsrl_cli.report.tables import paired_speedup_rows
+
+    base = {"experiment": "e", "seed": 42, "round": 5}
+    pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0, "predicted_speedup": 1.6},
+            {**base, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0, "predicted_speedup": 1.5}]
+    (row,) = paired_speedup_rows(pred)
+    assert row["measured_speedup"] == pytest.approx(10 / 5.5)
+    assert row["predicted_speedup"] == pytest.approx(2.0)
+    assert row["error_pct"] == pytest.approx(100 * (2.0 - 10 / 5.5) / (10 / 5.5))
+    assert row["predicted_speedup_stream_trace"] == 1.5
+    assert row["error_pct_stream_trace"] == pytest.approx(100 * (1.5 - 10 / 5.5) / (10 / 5.5))

@@ -138,7 +138,7 @@ def test_rollouts_are_a_pure_function_of_weights_seed_round_task_sample(toy_conf
                 for r in rows(cfg.run_dir(), "rollouts.jsonl") if r["round"] == 3}
 
     def replay(model_dir):
-        w = RolloutWorker(cfg, str(model_dir), 2, queue.Queue(), queue.Queue(), queue.Queue())
+        w = RolloutWorker(cfg, str(model_dir), str(model_dir), 2, queue.Queue(), queue.Queue(), queue.Queue())
         try:
             out = {}
             for gid, i in recorded:

@@ -108,6 +108,8 @@ def render(console, base, res: dict) -> None:
     for s, d in res["schedules"].items():
         pred = d.get("predicted")
         ptxt = "n/a" if not pred or pred.get("speedup") is None else f"{pred['speedup']:.2f}x"
+        if d.get("predicted_speedup_both_traces") is not None:
+            ptxt = f"{d['predicted_speedup_both_traces']:.2f}x ({ptxt})"
         sp = d["speedup_vs_sync"]
         t.add_row(s, f"{d['step_time_median_s']:.2f}", "n/a" if sp is None else f"{sp:.2f}x",
                   ptxt if s == "stream" else "", f"{100 * d['learner_idle_frac']:.0f}%",
@@ -118,6 +120,10 @@ def render(console, base, res: dict) -> None:
     if "memory_overhead_bytes" in st:
         console.print(f"stream minus sync, learner peak RSS: {_mib(st['memory_overhead_bytes'])} MiB (stream's "
                       f"accumulator buffers: {_mib(st['accumulator_peak_bytes'])} MiB); learner busy time stream/sync "
-                      f"{st['learner_compute_ratio']:.2f}x. Predicted = tsrl predict on stream's own trace.",
-                      highlight=False)
+                      f"{st['learner_compute_ratio']:.2f}x.", highlight=False)
+        console.print("Predicted = the event model's sync time on the sync run's trace over its stream time on the "
+                      "stream run's trace (in brackets: both from stream's trace alone, which prices sync's padded "
+                      "batch at the per-item costs)"
+                      + (f"; measured/predicted {100 * st['measured_over_predicted']:.0f} %."
+                         if st.get("measured_over_predicted") else "."), highlight=False)
     console.print(f"runs in {res['out']}", highlight=False)

@@ -60,6 +60,9 @@ def train(
     kl_coef: Annotated[float | None, typer.Option(help="KL-to-initial-policy loss coefficient; 0 = off.")] = None,
     max_staleness: Annotated[int | None, typer.Option(help="async: how many versions rollouts may lag the learner (>= 1). Default 1.")] = None,
     tis_cap: Annotated[float | None, typer.Option(help="async: truncated importance sampling cap (e.g. 2.0); default off.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="LoRA adapter rank (PEFT); 0 = full fine-tuning (default). Streaming buffers, optimizer state and weight sync then cover the adapters only.")] = None,
+    rollout_devices: Annotated[str | None, typer.Option(help="Device of the rollout process (policy engine): cpu (default), a CUDA index like 0, or cuda:N. One device for now.")] = None,
+    learner_devices: Annotated[str | None, typer.Option(help="Device of the learner process: cpu (default), a CUDA index like 4, or cuda:N. One device for now (no learner sharding yet).")] = None,
     out: Annotated[str | None, typer.Option(help="Run directory. Default results/<name>/<schedule>/seed<seed>.")] = None,
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. Default 0: only at the end.")] = None,
     save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts", help="Write rollouts.jsonl.")] = None,
@@ -77,7 +80,8 @@ def train(
              "rollout.prompts_per_round": prompts_per_round, "rollout.group_size": group_size, "model.dtype": dtype,
              "optim.lr": lr, "optim.optimizer": optimizer, "optim.grad_clip": grad_clip, "loss.loss_agg": loss_agg,
              "loss.adv_norm": adv_norm, "loss.kl_coef": kl_coef, "offpolicy.max_staleness": max_staleness,
-             "offpolicy.tis_cap": tis_cap, "run.out": out, "run.save_every": save_every,
+             "offpolicy.tis_cap": tis_cap, "lora.rank": lora_rank, "devices.rollout": rollout_devices,
+             "devices.learner": learner_devices, "run.out": out, "run.save_every": save_every,
              "run.save_rollouts": save_rollouts}
     try:
         from tsrl_cli.rl.train import TrainError

@@ -20,7 +20,13 @@ import torch
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.learner import Objective
-from tsrl_cli.rl.process import init_worker, peak_rss_bytes, reset_peak_rss
+from tsrl_cli.rl.process import (
+    init_worker,
+    peak_device_bytes,
+    peak_rss_bytes,
+    reset_peak_device,
+    reset_peak_rss,
+)
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone
 from tsrl_cli.rollouts import Rollout
@@ -45,18 +51,22 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 class Learner:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, run_dir: str,
                  inbox, weights_q, report_q):
+        from tsrl_cli.rl.placement import device_of, load_trained_policy, param_bytes
         from tsrl_cli.rl.rollout_worker import load_policy_model
 
         self.cfg, self.inbox, self.weights_q, self.report_q = cfg, inbox, weights_q, report_q
         self.run_dir = Path(run_dir)
-        self.model, self.tok = load_policy_model(init_dir, cfg.model.dtype)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.device = device_of(cfg, "learner")
+        self.model, self.tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.model_bytes = param_bytes(self.model)
+        self.trainable_bytes = param_bytes(self.model, trainable_only=True)
         self.obj = objective_from(cfg)
         self.opt = make_optimizer(self.params, cfg)
         opt_state = Path(init_dir) / "optimizer.pt"
         if opt_state.is_file():  # resuming: the optimizer continues exactly where it stopped
             self.opt.load_state_dict(torch.load(opt_state, weights_only=True))
-        self.ref = load_policy_model(policy_dir, cfg.model.dtype)[0] if cfg.loss.kl_coef else None
+        self.ref = load_policy_model(policy_dir, cfg.model.dtype, self.device)[0] if cfg.loss.kl_coef else None
         self.version = start_version
         self._last_progress = 0.0
 
@@ -100,23 +110,33 @@ class Learner:
         return float(norm)
 
     def publish(self) -> dict:
-        """Send the new weights to the rollout process: a safetensors blob (exact in every dtype)."""
+        """Send the new weights to the rollout process: a safetensors blob (exact in every dtype) of the
+        trained parameters only (every parameter, or the LoRA adapters)."""
         from safetensors.torch import save
 
+        from tsrl_cli.rl.placement import trainable_state
+
         t0 = now()
-        blob = save({n: p.detach().contiguous() for n, p in self.model.named_parameters()})
+        blob = save({n: t.cpu() for n, t in trainable_state(self.model).items()})
         self.weights_q.put((self.version, blob, t0))
         return {"start": t0, "end": now(), "bytes": len(blob)}
 
     def save_checkpoint(self, round_: int) -> str:
-        """checkpoints/round-<k>/: save_pretrained (safetensors) + tokenizer + optimizer.pt + state.json.
+        """checkpoints/round-<k>/: save_pretrained (safetensors) + tokenizer + optimizer.pt + state.json;
+        with LoRA the merged model plus adapter/ (what --resume loads).
 
         Written to a temporary folder, then renamed: a crash never leaves half a checkpoint.
         """
+        from tsrl_cli.rl.placement import ADAPTER_DIR, save_merged
+
         final = self.run_dir / "checkpoints" / f"round-{round_}"
         tmp = final.with_name(f".{final.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp))
+        if self.cfg.lora.rank > 0:
+            save_merged(self.model, tmp)
+            self.model.save_pretrained(str(tmp / ADAPTER_DIR))
+        else:
+            self.model.save_pretrained(str(tmp))
         self.tok.save_pretrained(str(tmp))
         torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
@@ -133,6 +153,7 @@ class Learner:
         learn = SCHEDULES[self.cfg.schedule]
         for plan in plans:
             reset_peak_rss()
+            reset_peak_device(self.device)
             work = learn(self, plan)
             grad_norm = self.apply_step(work.grads)
             step = {"start": work.step_start, "end": now()}
@@ -142,7 +163,9 @@ class Learner:
                 "version": self.version, "items": work.items, "group_close": work.group_close, "batch": work.batch,
                 "last_arrival": work.last_arrival, "busy_s": work.busy_s + (step["end"] - step["start"]), "step": step, "publish": published,
                 "loss": work.loss, "grad_norm": grad_norm, "accumulator_peak_bytes": work.accumulator_peak_bytes,
-                "peak_rss": peak_rss_bytes(), "opd_reverse_kl": _reverse_kl(work.rollouts),
+                "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(self.device),
+                "model_bytes": self.model_bytes, "trainable_bytes": self.trainable_bytes,
+                "opd_reverse_kl": _reverse_kl(work.rollouts),
             }
             if plan.save_checkpoint:
                 t0 = now()

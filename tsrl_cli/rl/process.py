@@ -51,6 +51,23 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def reset_peak_device(device: str) -> None:
+    """Start a new peak of accelerator memory (CUDA); nothing on CPU."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_device_bytes(device: str) -> int | None:
+    """Peak bytes allocated by torch on a CUDA device since the last reset; None on CPU (see peak_rss)."""
+    if not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated(device))
+
+
 def guarded(name: str, report_q, fn, *args) -> None:
     """Run a worker's main; on failure report ("error", name, traceback) instead of dying silently."""
     try:

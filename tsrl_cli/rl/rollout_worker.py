@@ -18,12 +18,18 @@ import time
 from collections import Counter
 
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.rl.process import init_worker, peak_rss_bytes, reset_peak_rss
+from tsrl_cli.rl.process import (
+    init_worker,
+    peak_device_bytes,
+    peak_rss_bytes,
+    reset_peak_device,
+    reset_peak_rss,
+)
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
 
 
-def load_policy_model(model_dir: str, dtype_name: str):
-    """(model, tokenizer) in the run's dtype; float64 models keep float64 norms (models.prepare)."""
+def load_policy_model(model_dir: str, dtype_name: str, device: str = "cpu"):
+    """(model, tokenizer) in the run's dtype on `device`; float64 models keep float64 norms (models.prepare)."""
     import transformers
 
     from tsrl_cli.embedded.sft import load_policy
@@ -31,21 +37,24 @@ def load_policy_model(model_dir: str, dtype_name: str):
 
     transformers.utils.logging.disable_progress_bar()
     model, tok = load_policy(model_dir, DTYPES[dtype_name])
-    return prepare(model, DTYPES[dtype_name]), tok
+    return prepare(model, DTYPES[dtype_name]).to(device), tok
 
 
 class RolloutWorker:
-    def __init__(self, cfg: TrainConfig, init_dir: str, start_version: int, out_q, weights_q, report_q):
+    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, weights_q,
+                 report_q):
         from tsrl_cli.agent.latency import ToolLatency
         from tsrl_cli.agent.loop import AgentLimits
         from tsrl_cli.agent.renderer import ChatMLRenderer
         from tsrl_cli.engines.base import SamplingParams, TurnBatcher
         from tsrl_cli.engines.hf import HFEngine
+        from tsrl_cli.rl.placement import device_of, load_trained_policy
         from tsrl_cli.rl.tasks import load_task_table
 
         self.cfg, self.out_q, self.weights_q, self.report_q = cfg, out_q, weights_q, report_q
         ro = cfg.rollout
-        model, tok = load_policy_model(init_dir, cfg.model.dtype)
+        self.device = device_of(cfg, "rollout")
+        model, tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)  # LoRA: the same adapters
         self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
         self.engine.version = start_version
         self.batcher = TurnBatcher(self.engine, max_batch=ro.max_batch)
@@ -162,18 +171,21 @@ class RolloutWorker:
         for plan in plans:
             self.take_weights(need=plan.round - 1 - self.max_staleness)
             reset_peak_rss()
+            reset_peak_device(self.device)
             report = asyncio.run(self.generate_round(plan))
             report["peak_rss"] = peak_rss_bytes()
+            report["peak_device"] = peak_device_bytes(self.device)
             self.report_q.put(("rollout_round", plan.round, report))
         # The last round ends with its weight sync (on-policy); async drains what is left unused.
         self.take_weights(need=plans[-1].round, apply=self.on_policy)
         self.batcher.close()
 
 
-def rollout_main(cfg: TrainConfig, init_dir: str, start_version: int, plans, out_q, weights_q, report_q, go) -> None:
+def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, plans, out_q, weights_q,
+                 report_q, go) -> None:
     """`go` (an Event) is set once every process is ready, so round 1 measures no start-up."""
     init_worker()
-    worker = RolloutWorker(cfg, init_dir, start_version, out_q, weights_q, report_q)
+    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, weights_q, report_q)
     report_q.put(("ready", "rollout", None))
     go.wait()
     worker.run(plans)

@@ -188,7 +188,7 @@ def tis_lazy_loss(model, rollouts: list[Rollout], obj: Objective, cap: float) ->
     w = tis_weights(logp, aligned("behavior_logprobs"), cap)  # (B, T), detached
     if obj.kind == "grpo":
         adv = grpo_advantages(rollouts, obj)
-        adv_B_1 = torch.tensor([[adv[r.key]] for r in rollouts], dtype=torch.float64).to(logp.dtype)
+        adv_B_1 = torch.tensor([[adv[r.key]] for r in rollouts], dtype=torch.float64).to(device=logp.device, dtype=logp.dtype)
         main = pg_token_loss(logp, adv_B_1) * w
     else:
         main = _opd_main(obj, logp, aligned("teacher_logprobs")) * w

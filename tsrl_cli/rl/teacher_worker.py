@@ -14,7 +14,13 @@ import time
 import torch
 
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.rl.process import init_worker, peak_rss_bytes, reset_peak_rss
+from tsrl_cli.rl.process import (
+    init_worker,
+    peak_device_bytes,
+    peak_rss_bytes,
+    reset_peak_device,
+    reset_peak_rss,
+)
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnClosed, TurnScored
 from tsrl_cli.rollouts import Rollout
 
@@ -37,7 +43,10 @@ class TeacherWorker:
     def __init__(self, cfg: TrainConfig, teacher_dir: str, in_q, out_q, report_q):
         from tsrl_cli.rl.rollout_worker import load_policy_model
 
-        self.model, _ = load_policy_model(teacher_dir, cfg.model.dtype)
+        from tsrl_cli.rl.placement import device_of
+
+        self.device = device_of(cfg, "teacher")
+        self.model, _ = load_policy_model(teacher_dir, cfg.model.dtype, self.device)
         self.in_q, self.out_q, self.report_q = in_q, out_q, report_q
 
     def run_round(self, plan: RoundPlan) -> dict:
@@ -74,8 +83,10 @@ class TeacherWorker:
     def run(self, plans: list[RoundPlan]) -> None:
         for plan in plans:
             reset_peak_rss()
+            reset_peak_device(self.device)
             report = self.run_round(plan)
             report["peak_rss"] = peak_rss_bytes()
+            report["peak_device"] = peak_device_bytes(self.device)
             self.report_q.put(("teacher_round", plan.round, report))
 
 

@@ -51,6 +51,20 @@ def resolve_model(spec: str, key: str) -> str:
                      "save_pretrained with a ChatML tokenizer, or builtin:toy")
 
 
+def check_placement(cfg: TrainConfig) -> None:
+    """Devices that exist and, for LoRA, peft installed: exit 2 before any process starts."""
+    from tsrl_cli.rl.placement import check_available, device_of
+
+    sides = ("rollout", "learner") + (("teacher",) if cfg.objective == "opd" else ())
+    for side in sides:
+        check_available(device_of(cfg, side), f"devices.{side}")
+    if cfg.lora.rank > 0:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise UsageError("lora.rank > 0 needs the peft package: pip install -e '.[lora]'") from None
+
+
 def save_at(cfg: TrainConfig, round_: int) -> bool:
     return (round_ == cfg.rounds or (cfg.run.save_every > 0 and round_ % cfg.run.save_every == 0)
             or (cfg.eval.every > 0 and round_ % cfg.eval.every == 0))
@@ -92,6 +106,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     from tsrl_cli.rl.learner_worker import objective_from
 
     objective_from(cfg)  # a loss setting outside streaming's exact scope fails here, before any process starts
+    check_placement(cfg)
     keys = list(load_task_table(cfg.data.train, cfg.data.limit))
     policy_dir = resolve_model(cfg.model.policy, "model.policy")
     teacher_dir = resolve_model(cfg.model.teacher, "model.teacher") if cfg.objective == "opd" else None
@@ -167,7 +182,8 @@ class Workers:
         learn_q = ctx.Queue() if teacher_dir else traj_q  # what the learner consumes
         self.queues = [self.report_q, self.weights_q, traj_q] + ([learn_q] if teacher_dir else [])
         specs = {
-            "rollout": (rollout_main, (cfg, init_dir, start, plans, traj_q, self.weights_q, self.report_q, self.go)),
+            "rollout": (rollout_main, (cfg, init_dir, policy_dir, start, plans, traj_q, self.weights_q, self.report_q,
+                                       self.go)),
             "learner": (learner_main, (cfg, init_dir, policy_dir, start, run_dir, plans, save_initial, learn_q,
                                        self.weights_q, self.report_q)),
         }
@@ -290,6 +306,9 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "staleness_mean": _stat(stale, statistics.fmean), "staleness_max": _stat(stale, max),
         "peak_mem_rollout_bytes": ro["peak_rss"], "peak_mem_learner_bytes": le["peak_rss"],
         "accumulator_peak_bytes": le["accumulator_peak_bytes"],
+        # accelerator peaks (torch.cuda.max_memory_allocated; None on CPU) and what the buffers are relative to
+        "peak_device_rollout_bytes": ro.get("peak_device"), "peak_device_learner_bytes": le.get("peak_device"),
+        "model_param_bytes": le.get("model_bytes"), "trainable_param_bytes": le.get("trainable_bytes"),
         "trajectories": ro["trajectories"], "tokens": ro["tokens"], "loss_tokens": ro["loss_tokens"],
         "reward_mean": ro["reward_mean"], "reward_std": ro["reward_std"], "loss": le["loss"],
         "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
@@ -299,6 +318,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     }
     if te is not None:
         row["peak_mem_teacher_bytes"] = te["peak_rss"]
+        row["peak_device_teacher_bytes"] = te.get("peak_device")
         row["teacher_busy_s"] = te["busy_s"]
         row["opd_reverse_kl"] = le["opd_reverse_kl"]
     if le.get("checkpoint"):
