@@ -194,3 +194,25 @@ def test_items_generated_before_the_round_wait_at_its_start():
     assert p["sync_s"] == 2.0 + 3.0  # last arrival 2, then 3 s of work
     q = predict_round([Item(-3.0, 1.0), Item(-1.0, 2.0)])
     assert q["sync_s"] == 3.0 and q["stream_s"] == 3.0  # everything waits at 0: no arrival to overlap
+
+
+def test_padded_batch_by_hand(tmp_path):
+    """A sync round: items of 10, 20, 30 tokens arrive at 1, 2, 3 s; the padded batch (3 x 30 = 90
+    positions) took 6 s, so the items' own costs are 6 * T / 90 = 2/3, 4/3, 2 s.
+    sync = 3 + 6 + 0.5 = 9.5; stream: [1, 5/3], [2, 10/3], [10/3, 16/3] -> 16/3 + 0.5."""
+    ev = [{"round": 1, "event": "item", "id": str(k), "finished_at_s": float(k), "learner_cost_s": None,
+           "tokens": 10 * k, "loss_tokens": 5 * k} for k in (1, 2, 3)]
+    ev += [{"round": 1, "event": "batch_backward", "start_s": 3.0, "end_s": 9.0, "items": 3, "loss_tokens": 30},
+           {"round": 1, "event": "step", "start_s": 9.0, "end_s": 9.5}]
+    f = tmp_path / "events.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in ev))
+    trace = load_trace(f)
+    assert [i.learner_cost_s for i in trace.rounds[0].items] == pytest.approx([2 / 3, 4 / 3, 2.0])
+    doc = predict_trace(trace)
+    assert doc["sync_s"] == pytest.approx(9.5) and doc["batch_work_s"] == pytest.approx(6.0)
+    assert doc["stream_s"] == pytest.approx(16 / 3 + 0.5) and doc["work_s"] == pytest.approx(4.0)
+    # the same items priced from a stream trace (costs known, no batch): Wb = 4 * 90 / 60 = 6 again
+    p = predict_round([Item(1.0, 2 / 3, 10), Item(2.0, 4 / 3, 20), Item(3.0, 2.0, 30)], step_s=0.5)
+    assert p["batch_work_s"] == pytest.approx(6.0) and p["sync_s"] == pytest.approx(9.5)
+    # without lengths, the batch is the items' work
+    assert predict_round(items((1, 1), (2, 1)))["batch_work_s"] == pytest.approx(2.0)

@@ -4,13 +4,19 @@ A round is items (trajectories for GRPO, teacher-scored turns for OPD) reaching 
 `finished_at_s` (seconds since the round started), each needing `learner_cost_s` seconds of
 learner work, then one optimizer step (`step_s`) and one weight sync (`sync_s`). With L learners:
 
-  sync   = M + W/L + step + sync   lazy baseline: no backward starts before the last arrival M;
-                                   the batch backward (W = total work) splits evenly over L learners
+  sync   = M + Wb/L + step + sync  lazy baseline: no backward starts before the last arrival M;
+                                   the batch backward (Wb) splits evenly over L learners
   stream = D + step + sync         D: when the queue drains, each item starting at
                                    max(arrival, its learner free) on the first free learner, FIFO
-  async  = max(M, W/L + step) + sync   one-step off-policy steady state: round k+1's rollout overlaps
+  async  = max(M, Wb/L + step) + sync  one-step off-policy steady state: round k+1's rollout overlaps
                                    round k's learning; the weight sync blocks both sides
-  speedup = sync / stream <= ceiling = (M + W/L + s) / (max(M, W/L) + s), s = step + sync,
+
+Padding. The lazy baseline backwards one padded batch: B rows of the longest length T_max, so its
+work Wb covers B * T_max token positions, while the per-item backwards of stream cover only each
+item's own T_i (W = the sum of item costs). When items carry `tokens`, the model prices them so:
+from a sync trace, item i costs Wb * T_i / (B * T_max) (the measured batch, shared out by real
+tokens); from a stream trace, Wb = W * B * T_max / sum(T_i). Without token counts, Wb = W.
+  speedup = sync / stream <= ceiling = (M + Wb/L + s) / (max(M, W/L) + s), s = step + sync,
   since D >= M and D >= W/L. With s = 0 the ceiling is 2 at balance (W/L == M), (M+W)/M when
   rollout dominates and (M+W)/W when learning does.
 
@@ -39,6 +45,7 @@ from tsrl_cli.errors import UsageError
 class Item:
     finished_at_s: float  # arrival at the learner, seconds since the round started
     learner_cost_s: float  # seconds of learner work (forward + backward) for this item
+    tokens: int | None = None  # the item's sequence length (padding-aware batch pricing), when known
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,7 @@ class RoundTrace:
     sync_s: float | None = None  # weight sync seconds
     learners: int | None = None
     measured_step_s: float | None = None  # the run's own step time, when the trace comes from a run
+    batch_work_s: float | None = None  # sync traces: the measured padded batch backward (seconds)
 
 
 @dataclass(frozen=True)
@@ -75,22 +83,38 @@ def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1) -> float
     return end
 
 
-def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1) -> dict:
-    """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling."""
+def padding_factor(items) -> float | None:
+    """B * T_max / sum(T_i): padded token positions of one batch over real tokens (None: lengths unknown)."""
+    toks = [i.tokens for i in items]
+    if not toks or any(t is None or t <= 0 for t in toks):
+        return None
+    return len(toks) * max(toks) / sum(toks)
+
+
+def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1,
+                  batch_work_s: float | None = None) -> dict:
+    """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling.
+
+    `batch_work_s`: the lazy batch backward's measured seconds (sync traces); otherwise it is the
+    items' work scaled by the padding factor when the items carry token counts, else their work.
+    """
     makespan = max(0.0, max((i.finished_at_s for i in items), default=0.0))  # async items may predate the round
     work = sum(i.learner_cost_s for i in items)
-    per_learner = work / learners
-    t_sync = makespan + per_learner + step_s + sync_s
+    if batch_work_s is None:
+        pf = padding_factor(items)
+        batch_work_s = work * pf if pf is not None else work
+    per_learner, batch_per_learner = work / learners, batch_work_s / learners
+    t_sync = makespan + batch_per_learner + step_s + sync_s
     t_stream = drain_time(items, learners) + step_s + sync_s
-    t_async = max(makespan, per_learner + step_s) + sync_s
+    t_async = max(makespan, batch_per_learner + step_s) + sync_s
     s = step_s + sync_s
     bound = max(makespan, per_learner) + s
     return {
         "items": len(items), "learners": learners, "makespan_s": makespan, "work_s": work,
-        "optimizer_step_s": step_s, "weight_sync_s": sync_s,
+        "batch_work_s": batch_work_s, "optimizer_step_s": step_s, "weight_sync_s": sync_s,
         "sync_s": t_sync, "stream_s": t_stream, "async_s": t_async,
         "speedup": _ratio(t_sync, t_stream), "speedup_async": _ratio(t_sync, t_async),
-        "ceiling": _ratio(makespan + per_learner + s, bound),
+        "ceiling": _ratio(makespan + batch_per_learner + s, bound),
     }
 
 
@@ -109,8 +133,8 @@ def what_if(items, learner_speed: float = 1.0, tool_speed: float = 1.0, spread: 
     if not items:
         return []
     med = statistics.median(i.finished_at_s for i in items)
-    return [Item(max(0.0, med + spread * (i.finished_at_s - med)) / tool_speed, i.learner_cost_s / learner_speed)
-            for i in items]
+    return [Item(max(0.0, med + spread * (i.finished_at_s - med)) / tool_speed, i.learner_cost_s / learner_speed,
+                 i.tokens) for i in items]
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -141,8 +165,9 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
         for row, r in zip(rounds, trace.rounds):
             row["as_traced"] = {k: row[k] for k in ("sync_s", "stream_s", "async_s", "speedup")}
             items = what_if(r.items, learner_speed, tool_speed, spread)
+            bw = None if r.batch_work_s is None else r.batch_work_s / learner_speed
             row.update(predict_round(items, row["optimizer_step_s"], row["weight_sync_s"],
-                                     learners or r.learners or 1))
+                                     learners or r.learners or 1, batch_work_s=bw))
     if not rounds:
         raise UsageError(f"{trace.source}: no rounds with items")
     counted = [r for r in rounds if r["round"] > warmup]
@@ -153,13 +178,14 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
             note = f"no round after the warm-up (rounds 1-{warmup}): every round is counted"
     doc = {"source": trace.source, "kind": trace.kind, "schedule": trace.schedule, "what_if": knobs,
            "rounds_counted": [r["round"] for r in counted], "note": note}
-    keys = ("makespan_s", "work_s", "optimizer_step_s", "weight_sync_s", "sync_s", "stream_s", "async_s")
+    keys = ("makespan_s", "work_s", "batch_work_s", "optimizer_step_s", "weight_sync_s", "sync_s", "stream_s",
+            "async_s")
     doc.update({k: statistics.fmean(r[k] for r in counted) for k in keys})
     doc["learners"] = counted[-1]["learners"]
     # speedup of the mean step times (ratio of means), as the report computes it per seed
     doc["speedup"] = _ratio(doc["sync_s"], doc["stream_s"])
     doc["speedup_async"] = _ratio(doc["sync_s"], doc["async_s"])
-    doc["ceiling"] = _ratio(doc["makespan_s"] + doc["work_s"] / doc["learners"] + doc["optimizer_step_s"]
+    doc["ceiling"] = _ratio(doc["makespan_s"] + doc["batch_work_s"] / doc["learners"] + doc["optimizer_step_s"]
                             + doc["weight_sync_s"], max(doc["makespan_s"], doc["work_s"] / doc["learners"])
                             + doc["optimizer_step_s"] + doc["weight_sync_s"])
     errs = [abs(r["error_pct"]) for r in counted if r.get("error_pct") is not None]
@@ -179,7 +205,7 @@ def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | No
     for r in trace.rounds:
         st = step_s if step_s is not None else (r.step_s or 0.0)
         sy = sync_s if sync_s is not None else (r.sync_s or 0.0)
-        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1)}
+        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=r.batch_work_s)}
         if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
             pred = row[f"{trace.schedule}_s"]
             row.update(measured_s=r.measured_step_s, predicted_s=pred,
@@ -249,7 +275,9 @@ def _from_minimal(p: Path, rows: list[tuple[int, dict]]) -> Trace:
     by_round: dict[int, list[Item]] = {}
     for n, row in rows:
         rnd = _num(p, n, row, "round", required=False)
-        item = Item(_num(p, n, row, "finished_at_s"), _num(p, n, row, "learner_cost_s"))
+        tok = _num(p, n, row, "tokens", required=False)
+        item = Item(_num(p, n, row, "finished_at_s"), _num(p, n, row, "learner_cost_s"),
+                    int(tok) if tok is not None else None)
         by_round.setdefault(int(rnd) if rnd is not None else 1, []).append(item)
     if not by_round:
         raise UsageError(f"{p}: no rows (expected finished_at_s, learner_cost_s[, round])")
@@ -305,22 +333,30 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
     for k, r in sorted(rounds.items()):
         if not r["items"]:
             continue
-        out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k)))
+        out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k),
+                              r["batch"] if r["has_batch"] else None))
     return Trace(str(p), kind, schedule, tuple(out), measured_from)
 
 
 def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
     rows = r["items"]
     costs = [_num(p, n, row, "learner_cost_s", required=False) for n, row in rows]
+    # Lengths only for whole trajectories (GRPO): an OPD turn's backward runs over its whole prefix,
+    # and the lazy batch over trajectories, so turn lengths say nothing about padding.
+    lengths = [_num(p, n, row, "tokens", required=False) if row.get("turn") is None else None for n, row in rows]
+    lengths = [int(t) if t is not None else None for t in lengths]
     if any(c is None for c in costs):
         if not r["has_batch"]:
             n = rows[costs.index(None)][0]
             raise UsageError(f"{p}:{n}: field 'learner_cost_s': missing, and the round has no batch_backward "
                              "event to share out")
-        # sync: the batch backward's seconds shared in proportion to loss_tokens (equal shares if absent)
-        tokens = [float(row.get("loss_tokens") or 0) for _, row in rows]
-        total = sum(tokens)
-        shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
-        costs = [r["batch"] * s for s in shares]
-    return tuple(Item(_num(p, n, row, "finished_at_s"), c) for (n, row), c in zip(rows, costs))
+        if all(t for t in lengths):
+            # sync: the padded batch computed B * T_max positions; item i's own share is T_i of them
+            costs = [r["batch"] * t / (len(lengths) * max(lengths)) for t in lengths]
+        else:  # no lengths: the batch shared out by loss_tokens (equal shares if absent)
+            tokens = [float(row.get("loss_tokens") or 0) for _, row in rows]
+            total = sum(tokens)
+            shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
+            costs = [r["batch"] * s for s in shares]
+    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t) for (n, row), c, t in zip(rows, costs, lengths))
 

@@ -149,7 +149,7 @@ def test_paired_speedup_rows_by_hand():
     from tsrl_cli.report.tables import paired_speedup_rows
 
     base = {"experiment": "e", "seed": 42, "round": 5}
-    pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0, "predicted_speedup": 1.6},
+    pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0, "predicted_speedup": 10 / 6},
             {**base, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0, "predicted_speedup": 1.5}]
     (row,) = paired_speedup_rows(pred)
     assert row["measured_speedup"] == pytest.approx(10 / 5.5)
@@ -157,3 +157,5 @@ def test_paired_speedup_rows_by_hand():
     assert row["error_pct"] == pytest.approx(100 * (2.0 - 10 / 5.5) / (10 / 5.5))
     assert row["predicted_speedup_stream_trace"] == 1.5
     assert row["error_pct_stream_trace"] == pytest.approx(100 * (1.5 - 10 / 5.5) / (10 / 5.5))
+    assert row["predicted_speedup_sync_trace"] == pytest.approx(10 / 6)
+    assert row["error_pct_sync_trace"] == pytest.approx(100 * (10 / 6 - 10 / 5.5) / (10 / 5.5))
