@@ -216,3 +216,14 @@ def test_padded_batch_by_hand(tmp_path):
     assert p["batch_work_s"] == pytest.approx(6.0) and p["sync_s"] == pytest.approx(9.5)
     # without lengths, the batch is the items' work
     assert predict_round(items((1, 1), (2, 1)))["batch_work_s"] == pytest.approx(2.0)
+
+
+def test_unpadded_sync_batch_shares_by_real_tokens(tmp_path):
+    """sync_batching per_item writes padded: false; its 4 s are the items' own work, split 10:30."""
+    ev = [{"round": 1, "event": "item", "id": "a", "finished_at_s": 1.0, "learner_cost_s": None, "tokens": 10},
+          {"round": 1, "event": "item", "id": "b", "finished_at_s": 2.0, "learner_cost_s": None, "tokens": 30},
+          {"round": 1, "event": "batch_backward", "start_s": 2.0, "end_s": 6.0, "items": 2, "padded": False}]
+    f = tmp_path / "events.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in ev))
+    doc = predict_trace(load_trace(f))
+    assert doc["sync_s"] == pytest.approx(6.0) and doc["stream_s"] == pytest.approx(5.0)  # [1,2], [2,5]

@@ -135,6 +135,9 @@ class TrainConfig:
     name: str = "embedded_default"
     objective: str = "grpo"  # grpo | opd
     schedule: str = "stream"  # sync | stream | async
+    # how `sync` computes its lazy gradient: padded (one padded batch, verl's lazy loss) | per_item
+    # (stream's per-item backwards, all after the last arrival: the same learner work as stream)
+    sync_batching: str = "padded"
     seed: int = 0
     rounds: int = 10
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -315,6 +318,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 
     one_of("objective", cfg.objective, OBJECTIVES)
     one_of("schedule", cfg.schedule, SCHEDULES)
+    one_of("sync_batching", cfg.sync_batching, ("padded", "per_item"))
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
     one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))

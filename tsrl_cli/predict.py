@@ -35,7 +35,7 @@ import heapq
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
@@ -66,6 +66,7 @@ class Trace:
     schedule: str | None  # the schedule the trace was recorded under (None: minimal trace)
     rounds: tuple[RoundTrace, ...]
     measured_from: str | None = None
+    padded_sync: bool = True  # the sync baseline backwards one padded batch (run config sync_batching)
 
 
 # ---------------------------------------------------------------------------- the model
@@ -205,7 +206,10 @@ def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | No
     for r in trace.rounds:
         st = step_s if step_s is not None else (r.step_s or 0.0)
         sy = sync_s if sync_s is not None else (r.sync_s or 0.0)
-        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=r.batch_work_s)}
+        bw = r.batch_work_s
+        if bw is None and not trace.padded_sync:  # sync_batching per_item: sync does the items' own work
+            bw = sum(i.learner_cost_s for i in r.items)
+        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=bw)}
         if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
             pred = row[f"{trace.schedule}_s"]
             row.update(measured_s=r.measured_step_s, predicted_s=pred,
@@ -225,7 +229,8 @@ def load_trace(path: str | Path) -> Trace:
         ev = p / "events.jsonl"
         if not ev.is_file():
             raise UsageError(f"{p}: not a run directory (no events.jsonl)")
-        return _from_events(ev, _read_jsonl(ev), metrics=p / "metrics.jsonl", kind="run")
+        trace = _from_events(ev, _read_jsonl(ev), metrics=p / "metrics.jsonl", kind="run")
+        return replace(trace, padded_sync=_sync_batching(p / "config.yaml") != "per_item")
     if not p.is_file():
         raise UsageError(f"--trace {p}: not found (a run directory, an events.jsonl or a CSV/JSONL trace)")
     if p.suffix.lower() == ".csv":
@@ -237,6 +242,16 @@ def load_trace(path: str | Path) -> Trace:
         metrics = p.with_name("metrics.jsonl")
         return _from_events(p, rows, metrics=metrics, kind="events")
     return _from_minimal(p, rows)
+
+
+def _sync_batching(config: Path) -> str | None:
+    """The run's `sync_batching` from its config.yaml (a plain line scan: no YAML parser needed)."""
+    if not config.is_file():
+        return None
+    for line in config.read_text().splitlines():
+        if line.startswith("sync_batching:"):
+            return line.split(":", 1)[1].strip().strip("'\"")
+    return None
 
 
 def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
@@ -302,7 +317,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
     for n, row in rows:
         r = rounds.setdefault(int(_num(p, n, row, "round")), {
             "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
-            "end": None, "stale": False})
+            "end": None, "stale": False, "padded": True})
         ev = row.get("event")
         if ev == "item":
             r["items"].append((n, row))
@@ -310,6 +325,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
         elif ev == "batch_backward":
             r["batch"] += _span(p, n, row)
             r["has_batch"] = True
+            r["padded"] = r["padded"] and row.get("padded", True) is not False
         elif ev in ("step", "weight_sync"):
             k = "step" if ev == "step" else "sync"
             r[k] = (r[k] or 0.0) + _span(p, n, row)
@@ -350,9 +366,11 @@ def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
             n = rows[costs.index(None)][0]
             raise UsageError(f"{p}:{n}: field 'learner_cost_s': missing, and the round has no batch_backward "
                              "event to share out")
-        if all(t for t in lengths):
+        if all(t for t in lengths) and r["padded"]:
             # sync: the padded batch computed B * T_max positions; item i's own share is T_i of them
             costs = [r["batch"] * t / (len(lengths) * max(lengths)) for t in lengths]
+        elif all(t for t in lengths):  # sync_batching per_item: the items' own backwards, by real tokens
+            costs = [r["batch"] * t / sum(lengths) for t in lengths]
         else:  # no lengths: the batch shared out by loss_tokens (equal shares if absent)
             tokens = [float(row.get("loss_tokens") or 0) for _, row in rows]
             total = sum(tokens)

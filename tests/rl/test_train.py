@@ -275,3 +275,18 @@ def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixtur
     model, tok = load_policy(cfg.run_dir() / "checkpoints" / "round-2")
     direct = evaluate_embedded(model, tok, [held])
     assert {k: m[1][k] for k in keys} == direct["metrics"]  # greedy: the same checkpoint gives the same numbers
+
+
+def test_sync_per_item_equals_padded_and_stream_float64(toy_config):
+    """sync_batching=per_item (stream's per-item backwards after the last arrival) computes the same
+    gradient as the padded lazy batch and as stream: only the timing differs."""
+    runs = {}
+    for name, sched, mode in (("padded", "sync", "padded"), ("per_item", "sync", "per_item"), ("stream", "stream", "padded")):
+        cfg = toy_config(f"sync_batching={mode}", out=name, schedule=sched, rounds=2, **{"model.dtype": "float64"})
+        train(cfg)
+        runs[name] = str(cfg.run_dir())
+    assert max_rel(weights(runs["padded"], 2), weights(runs["per_item"], 2)) < 1e-9
+    assert max_rel(weights(runs["stream"], 2), weights(runs["per_item"], 2)) < 1e-9
+    batches = [e for e in rows(runs["per_item"], "events.jsonl") if e["event"] == "batch_backward"]
+    assert len(batches) == 2 and all(b["padded"] is False for b in batches)
+    assert all(b["padded"] is True for b in rows(runs["padded"], "events.jsonl") if b["event"] == "batch_backward")

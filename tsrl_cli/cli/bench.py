@@ -44,6 +44,7 @@ def speedup(
     hidden: Annotated[int | None, typer.Option(help="Toy policy width (learner side of the balance).")] = None,
     layers: Annotated[int | None, typer.Option(help="Toy policy depth.")] = None,
     objective: Annotated[str | None, typer.Option(help="grpo | opd.")] = None,
+    sync_batching: Annotated[str | None, typer.Option(help="How sync computes its gradient: padded (one padded batch, default) | per_item (stream's own per-item backwards after the last arrival: the same learner work, so the speedup is overlap alone).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of every run.")] = None,
     out: Annotated[str | None, typer.Option(help="Folder for the runs (default results/bench/<name>-<time>).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key (repeatable).")] = None,
@@ -65,7 +66,7 @@ def speedup(
         if repeats < 1 or warmup < 0:
             raise UsageError("--repeats must be >= 1 and --warmup >= 0")
         flags = {"rounds": rounds, "rollout.tool_latency_median_s": tool_latency, "rollout.tool_latency_sigma": spread,
-                 "objective": objective, "seed": seed}
+                 "objective": objective, "seed": seed, "sync_batching": sync_batching}
         base = load_config(experiment, ([] if experiment else BENCH_SETS) + (set_ or []), flags)
         if hidden is not None or layers is not None:
             from tsrl_cli.rl.toy import TOY_PREFIX, parse_toy_spec
@@ -99,7 +100,8 @@ def render(console, base, res: dict) -> None:
 
     ro = base.rollout
     t = Table(title=f"tsrl bench speedup: {base.objective}, {base.model.policy}, {ro.prompts_per_round}x{ro.group_size} "
-                    f"trajectories/round, tool latency {ro.tool_latency_median_s} s (sigma {ro.tool_latency_sigma}); "
+                    f"trajectories/round, tool latency {ro.tool_latency_median_s} s (sigma {ro.tool_latency_sigma}), "
+                    f"sync batching {base.sync_batching}; "
                     f"medians of rounds {res['warmup'] + 1}-{res['rounds']}, {res['repeats']} run(s) each",
               title_justify="left")
     for col in ("schedule", "step s", "vs sync", "predicted", "idle", "busy s", "makespan s", "stale", "learner MiB",

@@ -47,6 +47,7 @@ def train(
     *,
     objective: Annotated[str | None, typer.Option(help="grpo | opd. Default grpo.")] = None,
     schedule: Annotated[str | None, typer.Option(help="sync (lazy baseline) | stream (gradient streaming) | async (off-policy baseline). Default stream.")] = None,
+    sync_batching: Annotated[str | None, typer.Option(help="sync only: padded (one padded batch, verl's lazy loss; default) | per_item (stream's per-item backwards after the last arrival).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed: prompts per round and every sampling seed derive from it. Default 0.")] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds (one optimizer step each). Default 10.")] = None,
     prompts_per_round: Annotated[int | None, typer.Option(help="Prompts (groups) per round. Default 4.")] = None,
@@ -76,7 +77,7 @@ def train(
     """
     from tsrl_cli.console import console
 
-    flags = {"objective": objective, "schedule": schedule, "seed": seed, "rounds": rounds,
+    flags = {"objective": objective, "schedule": schedule, "sync_batching": sync_batching, "seed": seed, "rounds": rounds,
              "rollout.prompts_per_round": prompts_per_round, "rollout.group_size": group_size, "model.dtype": dtype,
              "optim.lr": lr, "optim.optimizer": optimizer, "optim.grad_clip": grad_clip, "loss.loss_agg": loss_agg,
              "loss.adv_norm": adv_norm, "loss.kl_coef": kl_coef, "offpolicy.max_staleness": max_staleness,

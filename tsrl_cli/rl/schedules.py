@@ -136,8 +136,38 @@ def _batched_backward(learner, work: RoundWork, loss_fn) -> RoundWork:
 
 
 def learn_sync(learner, plan: RoundPlan) -> RoundWork:
-    """The lazy synchronous baseline: wait for every trajectory, one batched loss, one backward."""
-    return _batched_backward(learner, _collect(learner, plan, _check_on_policy), lazy_loss)
+    """The lazy synchronous baseline: wait for every trajectory, then the round's gradient.
+
+    sync_batching `padded` (default): one padded batch, one loss, one backward (verl's lazy loss).
+    `per_item`: the stream learner's own per-item backwards, all run after the last arrival, so
+    that sync and stream do the same learner work and differ only in timing.
+    """
+    work = _collect(learner, plan, _check_on_policy)
+    if learner.cfg.sync_batching == "per_item":
+        return _per_item_backward(learner, plan, work)
+    return _batched_backward(learner, work, lazy_loss)
+
+
+def _per_item_backward(learner, plan: RoundPlan, work: RoundWork) -> RoundWork:
+    """Every item backwarded alone, in key order (groups one after another), after the last arrival."""
+    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes(),
+                       max_open_groups=learner.cfg.loss.max_open_groups)
+    t0 = now()
+    for r in sorted(work.rollouts, key=lambda r: r.key):
+        r = learner.with_ref(r)
+        if learner.obj.kind == "opd":  # each model turn over its prefix, as stream does
+            for k in range(len(r.turn_spans)):
+                sl.on_turn(r, k)
+            sl.end_trajectory(r)
+        else:
+            sl.on_trajectory(r)
+    work.grads = sl.close_round()
+    t1 = now()
+    work.batched(t0, t1)
+    work.batch["padded"] = False  # tsrl predict: shares by real tokens, no padding factor
+    work.step_start = t1
+    work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
+    return work
 
 
 def learn_async(learner, plan: RoundPlan) -> RoundWork:

@@ -333,7 +333,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     if le["batch"] is not None:
         b = le["batch"]
         events.append({"round": k, "event": "batch_backward", "start_s": rel(b["start"]), "end_s": rel(b["end"]),
-                       "items": b["items"], "loss_tokens": b["loss_tokens"]})
+                       "items": b["items"], "loss_tokens": b["loss_tokens"], "padded": b.get("padded", True)})
     events += [{"round": k, "event": "group_close", "group_id": g["group_id"], "at_s": rel(g["at"])}
                for g in le["group_close"]]
     events.append({"round": k, "event": "step", "start_s": rel(le["step"]["start"]), "end_s": rel(le["step"]["end"])})
