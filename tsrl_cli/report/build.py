@@ -80,6 +80,11 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
     progress(f"{len(runs)} runs under {root}")
     _check_discipline(runs, notes)
 
+    have = max((k for r in runs for k in r.rounds), default=opts.last_round)
+    if have < opts.last_round:  # the window [warmup+1, last_round] as the data fill it, for the notes
+        notes.append(f"runs have at most {have} rounds: rounds {opts.warmup + 1}-{have} are averaged "
+                     f"(the window runs to {opts.last_round})")
+        opts = replace(opts, last_round=max(have, opts.warmup + 1))
     w, last = opts.warmup, opts.last_round
     progress("predicting every run's rounds from its events")
     pred, pred_notes = tables.prediction_rows(runs, w, last)
