@@ -31,6 +31,7 @@ PRESETS = {  # Qwen3 shapes (from the published configs); random weights
     "small": dict(vocab_size=2048, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64),
     "qwen3-0.6b": dict(vocab_size=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8, head_dim=128),
     "qwen3-1.7b": dict(vocab_size=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128),
+    "qwen3-8b": dict(vocab_size=151936, hidden=4096, layers=36, intermediate=12288, heads=32, kv_heads=8, head_dim=128),
 }
 
 
@@ -40,10 +41,15 @@ def build(preset: str, dtype, device, seed: int = 0):
     p = PRESETS[preset]
     cfg = Qwen3Config(vocab_size=p["vocab_size"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
                       num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
-                      head_dim=p["head_dim"], tie_word_embeddings=preset != "small", max_position_embeddings=4096)
+                      head_dim=p["head_dim"], tie_word_embeddings=preset in ("qwen3-0.6b", "qwen3-1.7b"), max_position_embeddings=4096)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(dtype)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy of an 8B model first
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg).to(dtype)
+    finally:
+        torch.set_default_dtype(old)
     return model.eval()
 
 
@@ -137,12 +143,14 @@ def main():
     ap.add_argument("--length", type=int, default=512, help="max tokens per trajectory")
     ap.add_argument("--max-open-groups", type=int, default=None,
                     help="stream's cap on groups holding buffers (None: no cap; 0: every group deferred to its close)")
+    ap.add_argument("--modes", default="full,lora", help="comma-separated: full, lora (full at 8B needs ~10x the model)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.micro = a.group_size
     if a.device == "cpu":
         torch.set_num_threads(1)
-    rows = [one_mode(a, 0), one_mode(a, a.lora_rank)]
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    rows = [one_mode(a, 0 if m == "full" else a.lora_rank) for m in modes]
     if a.json:
         print(json.dumps(rows))
         return
