@@ -227,3 +227,18 @@ def test_unpadded_sync_batch_shares_by_real_tokens(tmp_path):
     f.write_text("".join(json.dumps(e) + "\n" for e in ev))
     doc = predict_trace(load_trace(f))
     assert doc["sync_s"] == pytest.approx(6.0) and doc["stream_s"] == pytest.approx(5.0)  # [1,2], [2,5]
+
+
+def test_async_uses_the_rollout_duration(tmp_path):
+    """Async round: its data was generated from -1.0 to 0.5 s (1.5 s of rollout, started in the
+    previous round); batch 0.7 s, step 0.1 s. max(R = 1.5, 0.7 + 0.1) = 1.5, not max(M = 0.5, 0.8)."""
+    ev = [{"round": 1, "event": "item", "id": "a", "finished_at_s": -0.2, "learner_cost_s": None, "staleness": 1},
+          {"round": 1, "event": "item", "id": "b", "finished_at_s": 0.5, "learner_cost_s": None, "staleness": 1},
+          {"round": 1, "event": "rollout", "start_s": -1.0, "end_s": 0.5},
+          {"round": 1, "event": "batch_backward", "start_s": 0.5, "end_s": 1.2, "items": 2},
+          {"round": 1, "event": "step", "start_s": 1.2, "end_s": 1.3}]
+    f = tmp_path / "events.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in ev))
+    doc = predict_trace(load_trace(f))
+    assert doc["schedule"] == "async" and doc["async_s"] == pytest.approx(1.5)
+    assert doc["sync_s"] == pytest.approx(0.5 + 0.7 + 0.1)  # sync/stream still use the last arrival

@@ -8,8 +8,10 @@ learner work, then one optimizer step (`step_s`) and one weight sync (`sync_s`).
                                    the batch backward (Wb) splits evenly over L learners
   stream = D + step + sync         D: when the queue drains, each item starting at
                                    max(arrival, its learner free) on the first free learner, FIFO
-  async  = max(M, Wb/L + step) + sync  one-step off-policy steady state: round k+1's rollout overlaps
-                                   round k's learning; the weight sync blocks both sides
+  async  = max(R, Wb/L + step) + sync  one-step off-policy steady state: round k+1's rollout overlaps
+                                   round k's learning; the weight sync blocks both sides. R is the
+                                   rollout's own duration (a `rollout` event), which under async
+                                   starts before the round does; M when the trace lacks it
 
 Padding. The lazy baseline backwards one padded batch: B rows of the longest length T_max, so its
 work Wb covers B * T_max token positions, while the per-item backwards of stream cover only each
@@ -57,6 +59,7 @@ class RoundTrace:
     learners: int | None = None
     measured_step_s: float | None = None  # the run's own step time, when the trace comes from a run
     batch_work_s: float | None = None  # sync traces: the measured padded batch backward (seconds)
+    rollout_s: float | None = None  # the rollout side's generation time of this round (`rollout` event)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def padding_factor(items) -> float | None:
 
 
 def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1,
-                  batch_work_s: float | None = None) -> dict:
+                  batch_work_s: float | None = None, rollout_s: float | None = None) -> dict:
     """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling.
 
     `batch_work_s`: the lazy batch backward's measured seconds (sync traces); otherwise it is the
@@ -107,7 +110,7 @@ def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int
     per_learner, batch_per_learner = work / learners, batch_work_s / learners
     t_sync = makespan + batch_per_learner + step_s + sync_s
     t_stream = drain_time(items, learners) + step_s + sync_s
-    t_async = max(makespan, batch_per_learner + step_s) + sync_s
+    t_async = max(makespan if rollout_s is None else rollout_s, batch_per_learner + step_s) + sync_s
     s = step_s + sync_s
     bound = max(makespan, per_learner) + s
     return {
@@ -167,8 +170,9 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
             row["as_traced"] = {k: row[k] for k in ("sync_s", "stream_s", "async_s", "speedup")}
             items = what_if(r.items, learner_speed, tool_speed, spread)
             bw = None if r.batch_work_s is None else r.batch_work_s / learner_speed
+            ro = None if r.rollout_s is None else r.rollout_s / tool_speed
             row.update(predict_round(items, row["optimizer_step_s"], row["weight_sync_s"],
-                                     learners or r.learners or 1, batch_work_s=bw))
+                                     learners or r.learners or 1, batch_work_s=bw, rollout_s=ro))
     if not rounds:
         raise UsageError(f"{trace.source}: no rounds with items")
     counted = [r for r in rounds if r["round"] > warmup]
@@ -209,7 +213,8 @@ def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | No
         bw = r.batch_work_s
         if bw is None and not trace.padded_sync:  # sync_batching per_item: sync does the items' own work
             bw = sum(i.learner_cost_s for i in r.items)
-        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=bw)}
+        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=bw,
+                                                 rollout_s=r.rollout_s)}
         if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
             pred = row[f"{trace.schedule}_s"]
             row.update(measured_s=r.measured_step_s, predicted_s=pred,
@@ -269,7 +274,7 @@ def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
     return out
 
 
-def _num(p: Path, n: int, row: dict, key: str, required: bool = True) -> float | None:
+def _num(p: Path, n: int, row: dict, key: str, required: bool = True, negative_ok: bool = False) -> float | None:
     """A finite number >= 0; `finished_at_s` may be negative: an async item generated before its
     round started (docs/run-directory.md) is waiting at the round's start, which the model handles."""
     v = row.get(key)
@@ -281,7 +286,7 @@ def _num(p: Path, n: int, row: dict, key: str, required: bool = True) -> float |
         x = float(v)
     except (TypeError, ValueError):
         raise UsageError(f"{p}:{n}: field '{key}': not a number ({v!r})") from None
-    if not math.isfinite(x) or (x < 0 and key != "finished_at_s"):
+    if not math.isfinite(x) or (x < 0 and key != "finished_at_s" and not negative_ok):
         raise UsageError(f"{p}:{n}: field '{key}': must be a finite number >= 0 (got {v!r})")
     return x
 
@@ -299,8 +304,10 @@ def _from_minimal(p: Path, rows: list[tuple[int, dict]]) -> Trace:
     return Trace(str(p), "minimal", None, tuple(RoundTrace(k, tuple(v)) for k, v in sorted(by_round.items())))
 
 
-def _span(p: Path, n: int, row: dict) -> float:
-    start, end = _num(p, n, row, "start_s"), _num(p, n, row, "end_s")
+def _span(p: Path, n: int, row: dict, allow_negative: bool = False) -> float:
+    """end_s - start_s; a `rollout` span may start before its round (async runs ahead)."""
+    start = _num(p, n, row, "start_s", negative_ok=allow_negative)
+    end = _num(p, n, row, "end_s", negative_ok=allow_negative)
     if end < start:
         raise UsageError(f"{p}:{n}: end_s < start_s")
     return end - start
@@ -317,7 +324,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
     for n, row in rows:
         r = rounds.setdefault(int(_num(p, n, row, "round")), {
             "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
-            "end": None, "stale": False, "padded": True})
+            "end": None, "stale": False, "padded": True, "rollout": None})
         ev = row.get("event")
         if ev == "item":
             r["items"].append((n, row))
@@ -329,6 +336,8 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
         elif ev in ("step", "weight_sync"):
             k = "step" if ev == "step" else "sync"
             r[k] = (r[k] or 0.0) + _span(p, n, row)
+        elif ev == "rollout":
+            r["rollout"] = _span(p, n, row, allow_negative=True)
         elif ev == "round_end":
             r["end"] = _num(p, n, row, "at_s", required=False)
             r["learners"] = int(row["learners"]) if row.get("learners") else None
@@ -343,14 +352,14 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
         measured = {k: r["end"] for k, r in rounds.items() if r["end"] is not None}
         measured_from = "events.jsonl round_end.at_s"
     if schedule is None:  # inferred from the events themselves
-        schedule = "sync" if any(r["has_batch"] for r in rounds.values()) else \
-            "async" if any(r["stale"] for r in rounds.values()) else "stream"
+        schedule = "async" if any(r["stale"] for r in rounds.values()) else \
+            "sync" if any(r["has_batch"] for r in rounds.values()) else "stream"
     out = []
     for k, r in sorted(rounds.items()):
         if not r["items"]:
             continue
         out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k),
-                              r["batch"] if r["has_batch"] else None))
+                              r["batch"] if r["has_batch"] else None, r["rollout"]))
     return Trace(str(p), kind, schedule, tuple(out), measured_from)
 
 

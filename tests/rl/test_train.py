@@ -34,6 +34,7 @@ EVENT_KEYS = {
              "learner_cost_s", "tokens", "loss_tokens", "staleness", "reward"],
     "batch_backward": ["start_s", "end_s", "items", "loss_tokens"],
     "group_close": ["group_id", "at_s"],
+    "rollout": ["start_s", "end_s"],
     "step": ["start_s", "end_s"],
     "weight_sync": ["start_s", "end_s"],
     "round_end": ["at_s", "learners"],

@@ -336,6 +336,8 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
                        "items": b["items"], "loss_tokens": b["loss_tokens"], "padded": b.get("padded", True)})
     events += [{"round": k, "event": "group_close", "group_id": g["group_id"], "at_s": rel(g["at"])}
                for g in le["group_close"]]
+    # the rollout side's generation of this round's data (async: it starts before the round does)
+    events.append({"round": k, "event": "rollout", "start_s": rel(ro["gen_start"]), "end_s": rel(ro["gen_end"])})
     events.append({"round": k, "event": "step", "start_s": rel(le["step"]["start"]), "end_s": rel(le["step"]["end"])})
     events.append({"round": k, "event": "weight_sync", "start_s": rel(sync["start"]), "end_s": rel(sync["end"])})
     events.append({"round": k, "event": "round_end", "at_s": step_time, "learners": 1})
