@@ -255,6 +255,11 @@ def parse_set(item: str) -> dict:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    return _nested(key, value)
+
+
+def _nested(key: str, value: Any) -> dict:
+    """'a.b.c', v -> {'a': {'b': {'c': v}}}."""
     out: dict = {}
     node = out
     parts = key.split(".")
@@ -299,13 +304,7 @@ def load_config(
     for key, value in (flags or {}).items():
         if value is None:
             continue
-        node: dict = {}
-        top = node
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
-        cfg = _merge(cfg, top)
+        cfg = _merge(cfg, _nested(key, value))
     return validate_config(cfg)
 
 

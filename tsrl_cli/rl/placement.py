@@ -83,6 +83,14 @@ def check_available(device: str, key: str) -> None:
 # ---------------------------------------------------------------------------- LoRA
 
 
+def require_peft() -> None:
+    """Exit 2 with the install line when LoRA is asked for without peft."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UsageError("lora.rank > 0 needs the peft package: pip install -e '.[lora]'") from None
+
+
 def wrap_lora(model, rank: int, alpha: float, targets: tuple[str, ...], seed: int):
     """The base model wrapped in LoRA adapters (PEFT); only adapter parameters require grad.
 
@@ -92,10 +100,8 @@ def wrap_lora(model, rank: int, alpha: float, targets: tuple[str, ...], seed: in
     """
     import torch
 
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise UsageError("lora.rank > 0 needs the peft package: pip install -e '.[lora]'") from None
+    require_peft()
+    from peft import LoraConfig, get_peft_model
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in present]
     if missing:

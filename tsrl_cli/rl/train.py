@@ -53,16 +53,13 @@ def resolve_model(spec: str, key: str) -> str:
 
 def check_placement(cfg: TrainConfig) -> None:
     """Devices that exist and, for LoRA, peft installed: exit 2 before any process starts."""
-    from tsrl_cli.rl.placement import check_available, device_of
+    from tsrl_cli.rl.placement import check_available, device_of, require_peft
 
     sides = ("rollout", "learner") + (("teacher",) if cfg.objective == "opd" else ())
     for side in sides:
         check_available(device_of(cfg, side), f"devices.{side}")
     if cfg.lora.rank > 0:
-        try:
-            import peft  # noqa: F401
-        except ImportError:
-            raise UsageError("lora.rank > 0 needs the peft package: pip install -e '.[lora]'") from None
+        require_peft()
 
 
 def save_at(cfg: TrainConfig, round_: int) -> bool:
