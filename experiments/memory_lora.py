@@ -7,14 +7,21 @@ from a config (random weights: memory does not depend on what the weights are).
 Reported per mode (full, lora):
   model_bytes                 every parameter of the model
   trainable_bytes             what requires grad (everything, or the adapters)
-  accumulator_peak_bytes      stream's partial-sum buffers at their peak (open groups + round buffer)
-  accumulator / model         the extra memory streaming pays, as a fraction of the model
+  accumulator_peak_bytes      stream's partial-sum buffers at their peak (open groups + round buffer R)
+  open_peak_bytes             the open groups' buffers alone (S_r, S_1 per open group): the extra
+                              over sync, because R is the round's gradient, which sync holds as
+                              p.grad too (the learner hands R to the optimizer as p.grad)
+  open / model                stream's extra gradient state as a fraction of the model's bytes
   peak_sync / peak_stream     torch.cuda.max_memory_allocated on CUDA (None on CPU, where only the
                               buffers are counted): the whole process, activations included
   grad match                  stream against sync, max relative difference (the same gradient)
 
 Run (CPU, small):   .venv/bin/python experiments/memory_lora.py
 Run (GPU, ~1.7 B):  python experiments/memory_lora.py --device cuda --preset qwen3-1.7b --dtype bfloat16
+Run (CPU, 1.7 B shapes, buffers only; ~3 min, 8 GB RAM):
+  .venv/bin/python experiments/memory_lora.py --preset qwen3-1.7b --dtype bfloat16 --modes lora \
+      --lora-rank 8 --targets q_proj,v_proj --groups 2 --group-size 4 --length 48 --max-open-groups 1
+Shapes only (no forward; the meta device, any preset incl. 8B): add --count-only
 """
 
 from __future__ import annotations
@@ -82,19 +89,31 @@ def peak(device):
 
 
 def one_mode(args, lora_rank: int) -> dict:
+    from tsrl_cli.core.accumulator import RoundGradAccumulator
     from tsrl_cli.learner import Objective, StreamLearner, lazy_loss
     from tsrl_cli.rl.placement import param_bytes, wrap_lora
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
     model = build(args.preset, dtype, args.device)
     if lora_rank:
-        model = wrap_lora(model, lora_rank, 2.0 * lora_rank, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                              "up_proj", "down_proj"), seed=0)
+        model = wrap_lora(model, lora_rank, 2.0 * lora_rank, args.targets, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
     ro = rollouts(PRESETS[args.preset]["vocab_size"], args.groups, args.group_size, args.length, seed=1)
-    obj = Objective()
-    out = {"mode": "lora" if lora_rank else "full", "max_open_groups": args.max_open_groups, "lora_rank": lora_rank, "preset": args.preset, "dtype": args.dtype,
-           "device": args.device, "model_bytes": param_bytes(model), "trainable_bytes": param_bytes(model, True)}
+    obj = Objective(adv_norm=args.adv_norm)
+    out = {"mode": "lora" if lora_rank else "full", "max_open_groups": args.max_open_groups, "lora_rank": lora_rank,
+           "targets": list(args.targets) if lora_rank else None, "adv_norm": args.adv_norm, "preset": args.preset,
+           "dtype": args.dtype, "device": args.device, "model_bytes": param_bytes(model),
+           "trainable_bytes": param_bytes(model, True)}
+    if args.count_only:  # meta device: bytes from shapes; per open group 2 sets (1 for Dr. GRPO)
+        acc = RoundGradAccumulator(params)
+        per_group = 1 if args.adv_norm == "center" else 2
+        k = args.groups if args.max_open_groups is None else min(args.groups, args.max_open_groups)
+        out["open_peak_bytes"] = k * per_group * acc.param_bytes
+        out["accumulator_peak_bytes"] = out["open_peak_bytes"] + acc.param_bytes
+        out["open_over_model"] = out["open_peak_bytes"] / out["model_bytes"]
+        out["accumulator_over_model"] = out["accumulator_peak_bytes"] / out["model_bytes"]
+        out["computed_from_shapes"] = True
+        return out
 
     # sync: the lazy padded batch, in micro-batches of --micro trajectories (gradient accumulation of
     # the same scalar loss: each micro-batch's loss is scaled by its share of the round's tokens)
@@ -125,6 +144,8 @@ def one_mode(args, lora_rank: int) -> dict:
     out["time_stream_s"] = time.perf_counter() - t0
     out["accumulator_peak_bytes"] = sl.acc.peak_open_bytes + sl.acc.param_bytes
     out["accumulator_over_model"] = out["accumulator_peak_bytes"] / out["model_bytes"]
+    out["open_peak_bytes"] = sl.acc.peak_open_bytes
+    out["open_over_model"] = out["open_peak_bytes"] / out["model_bytes"]
     if out["peak_sync"] is not None:
         out["extra_peak_over_model"] = (out["peak_stream"] - out["peak_sync"]) / out["model_bytes"]
     out["grad_max_rel_diff"] = max(float((g.float() - s.float()).abs().max() / s.float().abs().max().clamp(min=1e-30))
@@ -144,8 +165,16 @@ def main():
     ap.add_argument("--max-open-groups", type=int, default=None,
                     help="stream's cap on groups holding buffers (None: no cap; 0: every group deferred to its close)")
     ap.add_argument("--modes", default="full,lora", help="comma-separated: full, lora (full at 8B needs ~10x the model)")
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                    help="LoRA target modules, comma-separated (PEFT's own default for Qwen is q_proj,v_proj)")
+    ap.add_argument("--adv-norm", default="group", choices=["group", "center"],
+                    help="center (Dr. GRPO, no std division) needs one buffer per open group instead of two")
+    ap.add_argument("--count-only", action="store_true", help="bytes from shapes on the meta device; no forward")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    a.targets = tuple(t.strip() for t in a.targets.split(",") if t.strip())
+    if a.count_only:
+        a.device = "meta"
     a.micro = a.group_size
     if a.device == "cpu":
         torch.set_num_threads(1)
@@ -157,12 +186,17 @@ def main():
     print(f"{a.preset} {a.dtype} on {a.device}: {a.groups} groups x {a.group_size}, <= {a.length} tokens, "
           f"max_open_groups {a.max_open_groups}")
     for r in rows:
+        if r.get("computed_from_shapes"):
+            print(f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
+                  f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
+                  f"model (computed from shapes; + R {100 * (r['accumulator_over_model'] - r['open_over_model']):.2f} %)")
+            continue
         extra = "" if r["peak_sync"] is None else (
             f", peak sync {r['peak_sync'] / 2**30:.2f} GiB, stream {r['peak_stream'] / 2**30:.2f} GiB "
             f"(extra {100 * r['extra_peak_over_model']:+.2f} % of the model)")
         print(f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
-              f"stream buffers {r['accumulator_peak_bytes'] / 2**20:.2f} MiB = {100 * r['accumulator_over_model']:.2f} % "
-              f"of the model{extra}; time stream/sync {r['time_stream_s'] / r['time_sync_s']:.2f}; "
+              f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
+              f"model (with R: {100 * r['accumulator_over_model']:.2f} %){extra}; time stream/sync {r['time_stream_s'] / r['time_sync_s']:.2f}; "
               f"grad max rel diff {r['grad_max_rel_diff']:.1e}")
 
 

@@ -186,7 +186,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key}: expected a list, got {value!r}")
+            raise ConfigError(f"config key {key}: expected a list, got {value!r} "
+                              f"(YAML list syntax: --set '{key}=[a,b]')")
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):

@@ -108,6 +108,19 @@ def test_injected_latency_is_recorded_apart_from_tool_time(tok):
     assert time.monotonic() - t0 >= 0.2
 
 
+def test_injected_latency_is_cut_at_the_tool_timeout(tok):
+    """A drawn delay longer than the tool's time limit lasts only up to that limit (as a real call would)."""
+    env = ScriptedEnv({"ls": ("x", 0)}, delay_s=0.05)
+    t0 = time.monotonic()
+    res = run(env, lambda ctx, k: ["```bash\nls\n```", "```bash\nsubmit\n```"][k], tok,
+              latency=ToolLatency.lognormal(30.0, 0.0), limits=AgentLimits(tool_timeout_s=0.3))
+    tool = [e for e in res.events if e["event"] == "tool"][0]
+    assert tool["latency_cut"] is True
+    assert tool["duration_s"] + tool["injected_latency_s"] == pytest.approx(0.3)
+    assert time.monotonic() - t0 < 5.0
+    assert "[exit code 0]\nx" in tok.decode(res.rollout.input_ids)  # the output is kept
+
+
 def test_latency_trace_file(tmp_path):
     p = tmp_path / "trace.txt"
     p.write_text("0.5\n\n1.5\n")

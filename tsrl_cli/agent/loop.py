@@ -149,12 +149,18 @@ async def run_agent(
         else:
             remaining = limits.wall_clock_s - (time.monotonic() - start)
             t0 = clock()
-            res = await env.run(action.command, max(0.0, min(limits.tool_timeout_s, remaining)))
-            delay = latency.sample(lat_rng, n_tool)
+            tool_limit_s = max(0.0, min(limits.tool_timeout_s, remaining))
+            res = await env.run(action.command, tool_limit_s)
+            # The injected latency models the tool's own run time, so the tool's time limit bounds it
+            # as it bounds a real call (a 23 s draw under a 10 s timeout took 10 s, not 23). Only
+            # the time is modelled: the command's real output is kept.
+            drawn = latency.sample(lat_rng, n_tool)
+            delay = min(drawn, max(0.0, tool_limit_s - res.duration_s))
             if delay > 0:
                 await asyncio.sleep(delay)
             n_tool += 1
             emit("tool", turn=turn, t_start=t0, duration_s=res.duration_s, injected_latency_s=delay,
+                 latency_cut=drawn > delay,
                  exit_code=res.exit_code, limit=res.limit, command=action.command[:200])
             if res.exit_code == 0 and submitted_by_output(res.output):
                 exit_reason = "submitted"
