@@ -85,6 +85,8 @@ class RolloutWorker:
         self.device = device_of(cfg, "rollout")
         if ro.engine == "vllm":
             self.engine, tok = vllm_engine(cfg, init_dir, self.device)
+            if self.device.startswith("cuda:"):  # CUDA_VISIBLE_DEVICES=N: this process now sees it as cuda:0
+                self.device = "cuda:0"
         else:
             model, tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)  # LoRA: the same adapters
             self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
