@@ -18,9 +18,9 @@ Reported per mode (full, lora):
 
 Run (CPU, small):   .venv/bin/python experiments/memory_lora.py
 Run (GPU, ~1.7 B):  python experiments/memory_lora.py --device cuda --preset qwen3-1.7b --dtype bfloat16
-Run (CPU, 1.7 B shapes, buffers only; ~3 min, 8 GB RAM):
+Run (CPU, 1.7 B shapes, buffers only; about 1 min, 8 GB RAM):
   .venv/bin/python experiments/memory_lora.py --preset qwen3-1.7b --dtype bfloat16 --modes lora \
-      --lora-rank 8 --targets q_proj,v_proj --groups 2 --group-size 4 --length 48 --max-open-groups 1
+      --lora-rank 8 --targets q_proj,v_proj --groups 2 --group-size 4 --length 32 --max-open-groups 1
 Shapes only (no forward; the meta device, any preset incl. 8B): add --count-only
 """
 
@@ -98,8 +98,6 @@ def one_mode(args, lora_rank: int) -> dict:
     if lora_rank:
         model = wrap_lora(model, lora_rank, 2.0 * lora_rank, args.targets, seed=0)
     params = [p for p in model.parameters() if p.requires_grad]
-    ro = rollouts(PRESETS[args.preset]["vocab_size"], args.groups, args.group_size, args.length, seed=1)
-    obj = Objective(adv_norm=args.adv_norm)
     out = {"mode": "lora" if lora_rank else "full", "max_open_groups": args.max_open_groups, "lora_rank": lora_rank,
            "targets": list(args.targets) if lora_rank else None, "adv_norm": args.adv_norm, "preset": args.preset,
            "dtype": args.dtype, "device": args.device, "model_bytes": param_bytes(model),
@@ -114,6 +112,8 @@ def one_mode(args, lora_rank: int) -> dict:
         out["accumulator_over_model"] = out["accumulator_peak_bytes"] / out["model_bytes"]
         out["computed_from_shapes"] = True
         return out
+    ro = rollouts(PRESETS[args.preset]["vocab_size"], args.groups, args.group_size, args.length, seed=1)
+    obj = Objective(adv_norm=args.adv_norm)
 
     # sync: the lazy padded batch, in micro-batches of --micro trajectories (gradient accumulation of
     # the same scalar loss: each micro-batch's loss is scaled by its share of the round's tokens)
@@ -186,17 +186,16 @@ def main():
     print(f"{a.preset} {a.dtype} on {a.device}: {a.groups} groups x {a.group_size}, <= {a.length} tokens, "
           f"max_open_groups {a.max_open_groups}")
     for r in rows:
+        line = (f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
+                f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
+                f"model (with R: {100 * r['accumulator_over_model']:.2f} %)")
         if r.get("computed_from_shapes"):
-            print(f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
-                  f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
-                  f"model (computed from shapes; + R {100 * (r['accumulator_over_model'] - r['open_over_model']):.2f} %)")
+            print(line + ", computed from shapes")
             continue
         extra = "" if r["peak_sync"] is None else (
             f", peak sync {r['peak_sync'] / 2**30:.2f} GiB, stream {r['peak_stream'] / 2**30:.2f} GiB "
             f"(extra {100 * r['extra_peak_over_model']:+.2f} % of the model)")
-        print(f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
-              f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
-              f"model (with R: {100 * r['accumulator_over_model']:.2f} %){extra}; time stream/sync {r['time_stream_s'] / r['time_sync_s']:.2f}; "
+        print(f"{line}{extra}; time stream/sync {r['time_stream_s'] / r['time_sync_s']:.2f}; "
               f"grad max rel diff {r['grad_max_rel_diff']:.1e}")
 
 
