@@ -434,10 +434,12 @@ def tokenizer_corpus(demos: Iterable[dict], src_root: str | Path | None = None,
         yield p.read_text()
 
 
-def train_policy_tokenizer(demos: list[dict], vocab_size: int = 2048, out_dir=None, src_root=None):
+def train_policy_tokenizer(demos: list[dict], vocab_size: int = 2048, out_dir=None, src_root=None,
+                           word_stable: bool = False):
     from tsrl_cli.tokenizer import train_chatml_tokenizer
 
-    return train_chatml_tokenizer(tokenizer_corpus(demos, src_root), vocab_size=vocab_size, out_dir=out_dir)
+    return train_chatml_tokenizer(tokenizer_corpus(demos, src_root), vocab_size=vocab_size, out_dir=out_dir,
+                                  word_stable=word_stable)
 
 
 def demo_stats(demos: list[dict], tokenizer=None, limits: AgentLimits | None = None) -> dict:
