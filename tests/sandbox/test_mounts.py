@@ -182,3 +182,15 @@ def test_own_tree_mount_lets_commands_change_shipped_files(isolation, tmp_path):
         assert res.exit_code == 0 and res.stdout == "ok\n", res.stderr
     assert (app / "sub" / "new.txt").exists() and not (app / "run.sh").exists()
     assert {p.stat().st_uid for p in (app, *app.rglob("*"))} == {owner}  # given back at close
+
+
+@pytest.mark.parametrize("target", ["/tests", "/etc/tsrl-test/tests"], ids=["new-root", "in-place"])
+def test_working_copy_stays_the_cwd_with_mounts(isolation, harbor, target):
+    """A verifier reads the agent's files relative to the cwd. Under unshare, a rebuilt root (a new
+    top-level target such as /tests) once left the command in the host's / instead: every embedded
+    terminal reward was 0 and `tsrl prepare-data embedded` failed on machines without bwrap."""
+    with LocalSandbox(None, limits=SMALL, isolation=isolation) as sb:
+        assert sb.run("echo made > mine.txt", 10).exit_code == 0
+        r = sb.run("cat mine.txt; pwd; echo again >> mine.txt", 10, mounts=[Mount(str(harbor / "tests"), target)])
+        assert r.stdout == f"made\n{sb.workdir}\n" and r.stderr == "", r
+        assert sb.run("cat mine.txt", 10).stdout == "made\nagain\n"

@@ -463,8 +463,9 @@ class LocalSandbox(Sandbox):
         make = "".join(f"mkdir -p {q(d)}; " for d in late_dirs)
         make += "".join(f"[ -e {q(m.target)} ] || touch {q(m.target)}; " for m in mounts
                         if not os.path.isdir(m.host) and m.target not in early_files)
+        cwd_fd = fd0 + len(inner)  # new root only: a handle on the workdir across `cd /` and chroot
         closing = "".join(f"exec {fd}<&-; " for fd in (*range(3, 3 + len(self.ro_binds)),
-                                                       *range(10, fd0 + len(inner))))
+                                                       *range(10, cwd_fd + new_root)))
         binds = "".join(f"mount -c --bind /proc/$P/fd/{10 + i} {q(m.target)}; "
                         f"mount -o remount,bind,{'ro' if m.read_only else 'rw'} {q(m.target)}; "
                         for i, m in enumerate(mounts))
@@ -492,8 +493,12 @@ class LocalSandbox(Sandbox):
                  + rebind("", "/", stage, empty=(stage,))
                  + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
                  + "".join(f"touch {q(stage + t)}; " for t in early_files))
-        body2 = 'set -e; P=$1; shift; cd -P "/proc/$P/cwd"; ' + body
-        return head + build + f"cd /; set +e; chroot {stage} /bin/bash -c {q(body2)} tsrl-unshare \"$P\" \"$@\"; exit $?"
+        # The outer shell leaves the workdir (`cd /`) so that bash in the chroot does not start in a
+        # directory outside its root; the chrooted shell gets back to the workdir through the outer
+        # shell's handle on it (cd's getcwd warning there is expected: the path has no parents in the
+        # new root until the workdir is bound at its own path below).
+        body2 = f'set -e; P=$1; shift; cd -P "/proc/$P/fd/{cwd_fd}" 2>/dev/null; ' + body
+        return head + f"exec {cwd_fd}<.; " + build + f"cd /; set +e; chroot {stage} /bin/bash -c {q(body2)} tsrl-unshare \"$P\" \"$@\"; exit $?"
 
     def _argv(self, command: str, mounts: Sequence[Mount] = ()) -> list[str]:
         inner = self._limited_bash(command)
