@@ -97,11 +97,14 @@ class OffPolicyConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Held-out evaluation during training (tsrl_cli/evals/embedded.py), greedy, in the local sandbox."""
+    """Held-out evaluation during training (tsrl_cli/evals/embedded.py), in the local sandbox."""
 
     every: int = 0  # evaluate the weights after every K-th round (and the initial ones); 0 = off
     datasets: tuple[str, ...] = ("embedded_repair_heldout", "embedded_terminal_heldout")
     samples: int = 1  # trajectories per task
+    # 0 = greedy. Above 0, sampled with eval seed 0 in every round and run: the same random stream
+    # for every checkpoint, so round-to-round differences are the weights', not the sampler's.
+    temperature: float = 0.0
     limit: int | None = None  # first N tasks of each dataset (None: all)
 
 
@@ -344,6 +347,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         if v < 1:
             raise ConfigError(f"config key {k}: must be >= 1, got {v}")
     nonneg = {"optim.lr": cfg.optim.lr, "optim.grad_clip": cfg.optim.grad_clip, "run.save_every": cfg.run.save_every, "eval.every": cfg.eval.every,
+              "eval.temperature": cfg.eval.temperature,
               "rollout.tool_latency_median_s": cfg.rollout.tool_latency_median_s,
               "rollout.tool_latency_sigma": cfg.rollout.tool_latency_sigma, "optim.weight_decay": cfg.optim.weight_decay}
     for k, v in nonneg.items():

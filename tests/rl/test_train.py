@@ -258,24 +258,35 @@ def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path, prepare_fixtur
 
 @pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
                     reason="no sandbox isolation (bubblewrap or unshare)")
-def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixture):
+def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixture, monkeypatch):
     """eval.every K: the initial and every K-th round's weights are evaluated on a held-out set; the
-    numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint)."""
+    numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint, here
+    sampled at eval.temperature 1 with eval seed 0, which repeats exactly)."""
     from tsrl_cli.embedded.sft import load_policy
+    from tsrl_cli.evals import embedded as ev
     from tsrl_cli.evals.embedded import evaluate_embedded
 
+    seen = []  # the sampling settings each checkpoint's evaluation ran with
+
+    def spy(*args, **kw):
+        seen.append((kw.get("samples"), kw.get("temperature")))
+        return evaluate_embedded(*args, **kw)
+
+    monkeypatch.setattr(ev, "evaluate_embedded", spy)
     prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
     held = str(tmp_path / "tb")
-    cfg = toy_config("eval.every=2", f"eval.datasets=[{held}]", "rollout.max_turns=2", out="ev", rounds=2)
+    cfg = toy_config("eval.every=2", f"eval.datasets=[{held}]", "eval.temperature=1.0", "eval.samples=2",
+                     "rollout.max_turns=2", out="ev", rounds=2)
     train(cfg)
     m = rows(cfg.run_dir(), "metrics.jsonl")
     assert len(m) == 2 and not any(k.startswith("eval/") for k in m[0])
     keys = {f"eval/tb/{s}" for s in ("success", "n", "ci95_low", "ci95_high")}  # the dataset's folder name
     assert keys <= set(m[1]) and m[1]["eval/tb/n"] >= 1
     assert (cfg.run_dir() / "eval_round0.json").is_file() and (cfg.run_dir() / "DONE").is_file()
+    assert seen == [(2, 1.0), (2, 1.0)]  # round-0 and round-2
     model, tok = load_policy(cfg.run_dir() / "checkpoints" / "round-2")
-    direct = evaluate_embedded(model, tok, [held])
-    assert {k: m[1][k] for k in keys} == direct["metrics"]  # greedy: the same checkpoint gives the same numbers
+    direct = evaluate_embedded(model, tok, [held], samples=2, temperature=1.0)
+    assert {k: m[1][k] for k in keys} == direct["metrics"]  # seeded: the same checkpoint gives the same numbers
 
 
 def test_sync_per_item_equals_padded_and_stream_float64(toy_config):

@@ -156,7 +156,7 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
             continue
         model, tok = load_policy(ckpt)
         res = evaluate_embedded(model, tok, list(cfg.eval.datasets), samples=cfg.eval.samples,
-                                limit=cfg.eval.limit, model_name=str(ckpt))
+                                temperature=cfg.eval.temperature, limit=cfg.eval.limit, model_name=str(ckpt))
         metrics = res["metrics"]
         progress({"event": "eval", "round": k, "metrics": metrics})
         if k == 0:
