@@ -17,7 +17,10 @@ After each phase-C epoch it saves the model (fp32) under --out/epoch{e} and prob
 terminal split greedily (one sample) and the training terminal split at T=1 on a fixed sample,
 through the real agent loop and sandbox (`probe_policy`). Not part of `tsrl prepare-data embedded`.
 
-  .venv/bin/python experiments/copy_policy.py --out /tmp/copy-policy --epochs 3 --export data/copy_policy
+  .venv/bin/python experiments/copy_policy.py --out /tmp/copy-policy --stop-after 2 --export data/copy_policy
+
+(what made data/copy_policy/ for experiments/heldout/: student = epoch 1, teacher = epoch 2 of the
+default 6-epoch schedule; about 25 min on 2 shared cores, results/LOG.md 2026-12-01)
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--drill-steps", type=int, default=2000)
     ap.add_argument("--family-steps", type=int, default=500)
-    ap.add_argument("--epochs", type=int, default=6, help="phase C epochs over the demonstrations")
+    ap.add_argument("--epochs", type=int, default=6, help="phase C epochs over the demonstrations (sets the lr schedule)")
+    ap.add_argument("--stop-after", type=int, default=None, help="end after this many epochs (schedule kept)")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--sft-lr", type=float, default=5e-4, help="phase C peak lr (cosine to 10 %)")
+    ap.add_argument("--sft-lr", type=float, default=5e-4, help="phase C peak lr (cosine down to a tenth)")
     ap.add_argument("--probe-train", type=int, default=20, help="training terminal tasks probed at T=1, x4")
     ap.add_argument("--demo-limit", type=int, default=None, help="use only the first N demonstrations (smoke runs)")
     ap.add_argument("--probe-heldout", type=int, default=None, help="held-out terminal tasks probed (default all)")
@@ -152,6 +156,8 @@ def main() -> None:
              "heldout_solved": sorted(x["task_id"] for x in g["results"] if x["reward"] > 0),
              "train_t1": t["terminal"]["success_rate"], "train_groups_var": t["terminal"]["groups_nonzero_var"]})
         model.train()
+        if e == a.stop_after:
+            break
     if a.export:
         for role, e in (("student", a.student_epoch), ("teacher", a.teacher_epoch)):
             dest = Path(a.export) / role

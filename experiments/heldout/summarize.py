@@ -42,7 +42,9 @@ def main() -> None:
             out[f"{exp.name}:{key}"] = {
                 "seeds": per, "margin_mean_gain": round(margin, 4),
                 "spread_final": round(max(finals) - min(finals), 4), "spread_gain": round(max(gains) - min(gains), 4),
-                "margin_exceeds_spreads": margin > max(finals) - min(finals) and margin > max(gains) - min(gains)}
+                # a spread needs two seeds at least: with one, no verdict (null)
+                "margin_exceeds_spreads": None if len(per) < 2 else
+                (margin > max(finals) - min(finals) and margin > max(gains) - min(gains))}
     print(json.dumps(out, indent=1))
 
 
