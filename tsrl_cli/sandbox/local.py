@@ -493,10 +493,11 @@ class LocalSandbox(Sandbox):
                  + rebind("", "/", stage, empty=(stage,))
                  + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
                  + "".join(f"touch {q(stage + t)}; " for t in early_files))
-        # The outer shell leaves the workdir (`cd /`) so that bash in the chroot does not start in a
-        # directory outside its root; the chrooted shell gets back to the workdir through the outer
-        # shell's handle on it (cd's getcwd warning there is expected: the path has no parents in the
-        # new root until the workdir is bound at its own path below).
+        # The outer shell is in / by the chroot, so /proc/$P/cwd no longer names the workdir (it once
+        # did not: commands then ran in the host's /). The chrooted shell gets back to the workdir
+        # through a handle the outer shell opened while still in it. cd's getcwd warning there is
+        # expected and dropped: the path has no parents in the new root until the workdir is bound
+        # at its own path below.
         body2 = f'set -e; P=$1; shift; cd -P "/proc/$P/fd/{cwd_fd}" 2>/dev/null; ' + body
         return head + f"exec {cwd_fd}<.; " + build + f"cd /; set +e; chroot {stage} /bin/bash -c {q(body2)} tsrl-unshare \"$P\" \"$@\"; exit $?"
 
