@@ -15,7 +15,9 @@ that into a whole policy, in three phases on one AdamW state:
 
 After each phase-C epoch it saves the model (fp32) under --out/epoch{e} and probes the held-out
 terminal split greedily (one sample) and the training terminal split at T=1 on a fixed sample,
-through the real agent loop and sandbox (`probe_policy`). Not part of `tsrl prepare-data embedded`.
+through the real agent loop and sandbox (`probe_policy`). The phases are
+tsrl_cli/embedded/copy_curriculum.py, which `tsrl prepare-data embedded --policy-recipe copy` also
+runs (its student: --sft-skip-terminal-train, epoch 1; its teacher: all demos, epoch 2).
 
   .venv/bin/python experiments/copy_policy.py --out /tmp/copy-policy --stop-after 2 --export data/copy_policy
 
@@ -27,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -38,10 +38,9 @@ import torch
 
 
 def main() -> None:
-    from tsrl_cli.agent.loop import SYSTEM_PROMPT  # noqa: F401  (the demos were rendered with it)
-    from tsrl_cli.embedded import terminal_suite as ts
+    from tsrl_cli.embedded.copy_curriculum import CopyCurriculum, CopyTrainer
     from tsrl_cli.embedded.demos import dataset_tasks, train_policy_tokenizer
-    from tsrl_cli.embedded.sft import build_policy_model, collate, encode_demos, masked_nll, probe_policy
+    from tsrl_cli.embedded.sft import build_policy_model, probe_policy
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demos", default="data/embedded_policy/demos.jsonl")
@@ -57,6 +56,10 @@ def main() -> None:
     ap.add_argument("--probe-train", type=int, default=20, help="training terminal tasks probed at T=1, x4")
     ap.add_argument("--demo-limit", type=int, default=None, help="use only the first N demonstrations (smoke runs)")
     ap.add_argument("--probe-heldout", type=int, default=None, help="held-out terminal tasks probed (default all)")
+    ap.add_argument("--sft-skip-terminal-train", action="store_true",
+                    help="phase C leaves out the demonstrations of the terminal training split (the tokenizer "
+                         "still sees every demo, so it is the same as without this flag): RL then trains on "
+                         "instances the policy has never been shown solved")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--export", default=None, help="copy the chosen epochs here as student/ and teacher/")
@@ -70,45 +73,11 @@ def main() -> None:
 
     demos = [json.loads(x) for x in Path(a.demos).read_text().splitlines()][:a.demo_limit]
     tok = train_policy_tokenizer(demos, 2048, word_stable=True)
-    V, sep = len(tok), tok.convert_tokens_to_ids("<|im_start|>")
-    alpha = sorted(t for t in tok.get_vocab() if re.fullmatch("[a-z]+", t))
-    alpha_ids = [tok.convert_tokens_to_ids(t) for t in alpha]
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    model = build_policy_model(V, a.hidden, a.layers, 4096, a.seed, pad_id=tok.pad_token_id, eos_id=im_end)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    rng = random.Random(f"copy-policy:{a.seed}")
-    pad = tok.pad_token_id
-
-    def drill_loss(bs: int = 32):
-        n = rng.randint(6, 16)
-        x = torch.tensor([[rng.choice(alpha_ids) for _ in range(n)] for _ in range(bs)])
-        logits = model(input_ids=torch.cat([x, torch.full((bs, 1), sep), x], 1), use_cache=False).logits[:, n:-1]
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, V), x.reshape(-1))
-
-    def name(g: random.Random) -> str:
-        while True:
-            w = "".join(g.choice(alpha) for _ in range(g.randint(1, 3)))
-            if 3 <= len(w) <= 12:
-                return w
-
-    def family_loss(bs: int = 16):
-        batch = []
-        for _ in range(bs):
-            words = sorted({name(rng) for _ in range(40)})
-            exts = sorted({name(rng)[:4] for _ in range(6)})
-            spec = ts.FAMILIES[rng.choice(ts.SPLIT_FAMILIES["train"])](rng, words, exts)
-            batch.append({"task_id": "drill", "kind": "terminal", "instruction": spec.instruction,
-                          "messages": [{"role": "assistant", "content":
-                                        f"THOUGHT: This does what the task asks.\n```bash\n{spec.solution[0]}\n```"}]})
-        return masked_nll(model, *collate(encode_demos(batch, tok), list(range(bs)), pad))[0]
-
-    def step(loss, lr) -> None:
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+    model = build_policy_model(len(tok), a.hidden, a.layers, 4096, a.seed, pad_id=tok.pad_token_id,
+                               eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    cur = CopyCurriculum(drill_steps=a.drill_steps, family_steps=a.family_steps, lr=a.lr, sft_lr=a.sft_lr,
+                         schedule_epochs=a.epochs)
+    trainer = CopyTrainer(model, tok, cur, a.seed)
 
     def log(rec: dict) -> None:
         rec["s"] = round(time.perf_counter() - t0)
@@ -117,47 +86,28 @@ def main() -> None:
             f.write(json.dumps(rec) + "\n")
 
     t0 = time.perf_counter()
-    for s in range(a.drill_steps):
-        step(loss := drill_loss(), a.lr * min(1.0, (s + 1) / 50))
-        if s % 250 == 0:
-            log({"phase": "drill", "step": s, "loss": round(loss.item(), 3)})
-    for s in range(a.family_steps):
-        step(loss := (drill_loss() if s % 4 == 3 else family_loss()), a.lr)
-        if s % 100 == 0:
-            log({"phase": "family", "step": s, "loss": round(loss.item(), 3)})
+    trainer.pretrain(log)
+    if a.sft_skip_terminal_train:  # aug-* are made-up-name instances, in no split
+        demos = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
+        log({"phase": "sft", "demos": len(demos), "skipped": "terminal training split"})
+    probe_sets = {}
 
-    seqs = encode_demos(demos, tok)
-    srng = random.Random(f"copy-policy-sft:{a.seed}")
-    per_epoch = math.ceil(len(seqs) / 8)
-    total = per_epoch * a.epochs
-    k = 0  # demo batches so far
-    for e in range(1, a.epochs + 1):
-        order = list(range(len(seqs)))
-        srng.shuffle(order)
-        for b in range(per_epoch):
-            lr = a.sft_lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / total)))
-            loss = masked_nll(model, *collate(seqs, order[b * 8:(b + 1) * 8], pad))[0]
-            step(loss, lr)
-            k += 1
-            if k % 3 == 0:  # keep the copying alive
-                step(family_loss() if (k // 3) % 2 else drill_loss(), lr)
-            if k % 50 == 0:
-                log({"phase": "sft", "epoch": e, "step": k, "loss": round(loss.item(), 3)})
-        model.eval()
-        if e == 1:  # read here, not at the start: the splits may still be being prepared
-            heldout = dataset_tasks(Path(a.data) / "embedded_terminal_heldout", a.probe_heldout)
+    def on_epoch(e: int) -> None:
+        if not probe_sets:  # read here, not at the start: the splits may still be being prepared
+            probe_sets["heldout"] = dataset_tasks(Path(a.data) / "embedded_terminal_heldout", a.probe_heldout)
             train_t = dataset_tasks(Path(a.data) / "embedded_terminal_train")
-            train_t = random.Random(0).sample(train_t, min(a.probe_train, len(train_t)))
+            probe_sets["train"] = random.Random(0).sample(train_t, min(a.probe_train, len(train_t)))
         model.save_pretrained(out / f"epoch{e}")
         tok.save_pretrained(out / f"epoch{e}")
-        g = probe_policy(model, tok, heldout, samples=1, temperature=0.0)
-        t = probe_policy(model, tok, train_t, samples=4, temperature=1.0)
+        model.eval()
+        g = probe_policy(model, tok, probe_sets["heldout"], samples=1, temperature=0.0)
+        t = probe_policy(model, tok, probe_sets["train"], samples=4, temperature=1.0)
+        model.train()
         log({"phase": "probe", "epoch": e, "heldout_greedy": g["terminal"]["success_rate"],
              "heldout_solved": sorted(x["task_id"] for x in g["results"] if x["reward"] > 0),
              "train_t1": t["terminal"]["success_rate"], "train_groups_var": t["terminal"]["groups_nonzero_var"]})
-        model.train()
-        if e == a.stop_after:
-            break
+
+    trainer.sft(demos, a.stop_after or a.epochs, on_epoch, log)
     if a.export:
         for role, e in (("student", a.student_epoch), ("teacher", a.teacher_epoch)):
             dest = Path(a.export) / role

@@ -49,6 +49,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_turns: int = 8
+    # reward of a trajectory that ends without `submit` (max_turns, token_limit, wall_clock): None scores
+    # its final state like any other (what an evaluation does); a number replaces that score, so that
+    # never submitting is not free (GRPO drifted to it on the embedded suite, results/LOG.md 2026-12-01)
+    unsubmitted_reward: float | None = None
     max_turn_tokens: int = 128
     max_trajectory_tokens: int = 2048
     tool_timeout_s: float = 10.0

@@ -6,7 +6,10 @@ per experiment, per seed: success at round 0 and at the last evaluated round, an
 then the mean gain (the margin), the spread of the final success over seeds (max - min), the
 spread of the gain, and whether the margin exceeds both spreads.
 
-  .venv/bin/python experiments/heldout/summarize.py results/heldout
+  .venv/bin/python experiments/heldout/summarize.py results/heldout [--curves curves.csv]
+
+--curves also writes the training curves, one row per experiment, seed and round: reward_mean (the
+round's training reward), the trajectories that ended at max_turns, and mean turns.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from pathlib import Path
 
 
 def main() -> None:
-    root = Path(sys.argv[1] if len(sys.argv) > 1 else "results/heldout")
-    out = {}
+    args = sys.argv[1:]
+    curves = args.pop(args.index("--curves") + 1) if "--curves" in args else None
+    args = [a for a in args if a != "--curves"]
+    root = Path(args[0] if args else "results/heldout")
+    out, curve_rows = {}, []
     for exp in sorted(p for p in root.iterdir() if p.is_dir()):
         seeds = {}
         for run in sorted(exp.glob("*/seed*")):
@@ -28,6 +34,8 @@ def main() -> None:
             last = [r for r in rows if any(k.startswith("eval/") and k.endswith("/success") for k in r)]
             if not r0.is_file() or not last:
                 continue
+            curve_rows += [f"{exp.name},{run.name},{r['round']},{r['reward_mean']},"
+                           f"{r.get('exit_reasons', {}).get('max_turns', 0)},{r['turns_mean']}" for r in rows]
             m0, m1 = json.loads(r0.read_text()), last[-1]
             for key in (k for k in m0 if k.endswith("/success")):
                 seeds.setdefault(key, {})[run.name] = {
@@ -45,6 +53,9 @@ def main() -> None:
                 # a spread needs two seeds at least: with one, no verdict (null)
                 "margin_exceeds_spreads": None if len(per) < 2 else
                 (margin > max(finals) - min(finals) and margin > max(gains) - min(gains))}
+    if curves:
+        Path(curves).write_text("experiment,seed,round,reward_mean,max_turns_exits,turns_mean\n"
+                                + "".join(x + "\n" for x in curve_rows))
     print(json.dumps(out, indent=1))
 
 

@@ -95,3 +95,29 @@ def test_tiny_build_end_to_end_and_reuse(root):
     again = prepare_embedded(root, seed=0, build_policy=True, policy=TINY, **SMALL)
     assert again["policy"]["unchanged"]  # same training sets and config: kept
     assert build_key(root, replace(TINY, teacher_epochs=3)) != pol["key"]
+
+
+def test_tiny_copy_recipe_build(root, tmp_path):
+    """The copy recipe end to end: word-stable tokenizer, the student's phase C without the terminal
+    training split's demonstrations, the teacher's with all of them; a key of its own."""
+    from tsrl_cli.embedded.copy_curriculum import CopyCurriculum
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE
+
+    cfg = replace(COPY_RECIPE, aug_terminal=6, vocab_size=400, demos=DemoConfig(concurrency=2),
+                  sft=SFTConfig(hidden=32, layers=1, max_positions=2048),
+                  copy=CopyCurriculum(drill_steps=2, family_steps=2, drill_batch=4, family_batch=2, sft_batch=4))
+    res = prepare_embedded(root, seed=0, build_policy=True, policy=cfg, policy_out=tmp_path / "pol", **SMALL)
+    pol = res["policy"]
+    assert pol["recipe"] == "copy" and pol["key"] == build_key(root, cfg) != build_key(root, TINY)
+    demos = [json.loads(x) for x in (tmp_path / "pol" / "demos.jsonl").read_text().splitlines()]
+    train_terminal = [d for d in demos if d["kind"] == "terminal" and not d["task_id"].startswith("aug-")]
+    assert train_terminal and pol["sequences"] == {"teacher": len(demos), "student": len(demos) - len(train_terminal)}
+    s, tok = load_policy(tmp_path / "pol" / "student")
+    te, tok_t = load_policy(tmp_path / "pol" / "teacher")
+    assert tok.get_vocab() == tok_t.get_vocab()  # OPD needs one tokenizer
+    assert tok("`plum`")["input_ids"][1:-1] == tok(" plum")["input_ids"][1:]  # word-stable: same ids in any context
+    assert len(s.model.layers) == 1 and any(not torch.equal(a, b) for a, b in zip(s.parameters(), te.parameters()))
+    info = json.loads((tmp_path / "pol" / "student" / "policy.json").read_text())
+    assert info["role"] == "student" and info["sft_epochs"] == 1
+    assert not (root / "embedded_policy" / "build.json").exists() or \
+        json.loads((root / "embedded_policy" / "build.json").read_text())["key"] != pol["key"]  # default untouched

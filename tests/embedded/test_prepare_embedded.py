@@ -62,3 +62,17 @@ def test_cli_embedded_json(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert set(EMBEDDED_SETS) <= set(doc) and doc["embedded_terminal_train"]["written"] == 6
+
+
+def test_cli_policy_recipe_is_checked_and_passed(tmp_path, monkeypatch):
+    import tsrl_cli.embedded.prepare as ep
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE
+
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "magic"])
+    assert res.exit_code == 2 and "two_stage, copy" in res.output and not any(tmp_path.iterdir())
+    seen = {}
+    monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress, **kw: seen.update(kw) or {"seconds": 0})
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "copy",
+                                   "--policy-out", str(tmp_path / "p"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert seen["policy"] == COPY_RECIPE and seen["policy_out"] == str(tmp_path / "p")

@@ -302,3 +302,93 @@ def test_sync_per_item_equals_padded_and_stream_float64(toy_config):
     batches = [e for e in rows(runs["per_item"], "events.jsonl") if e["event"] == "batch_backward"]
     assert len(batches) == 2 and all(b["padded"] is False for b in batches)
     assert all(b["padded"] is True for b in rows(runs["padded"], "events.jsonl") if b["event"] == "batch_backward")
+
+
+def test_unsubmitted_reward_replaces_only_unsubmitted_scores(toy_config):
+    """rollout.unsubmitted_reward: the same trajectories (tokens), the verifier's reward where the agent
+    submitted, the configured number everywhere else."""
+    from tsrl_cli.rl.rollout_worker import RolloutWorker
+    from tsrl_cli.rl.toy import ensure_toy_policy
+    from tsrl_cli.rl.types import GroupSpec
+
+    model_dir = str(ensure_toy_policy("builtin:toy"))
+
+    def sample(*sets):
+        cfg = toy_config(*sets, "rollout.max_turns=2", out="u")
+        w = RolloutWorker(cfg, model_dir, model_dir, 0, queue.Queue(), queue.Queue(), queue.Queue())
+        try:
+            return {(k, i): asyncio.run(w.run_one(1, 0, GroupSpec(k, k, 8), i)) for k in list(w.tasks)[:4]
+                    for i in range(8)}
+        finally:
+            w.batcher.close()
+
+    base, alt = sample(), sample("rollout.unsubmitted_reward=-1.5")
+    reasons = {m.exit_reason for m in base.values()}
+    assert "submitted" in reasons and reasons - {"submitted"}, reasons  # both kinds occur, or the test proves nothing
+    for key, m in base.items():
+        a = alt[key]
+        assert a.rollout.input_ids == m.rollout.input_ids and a.exit_reason == m.exit_reason
+        assert a.rollout.reward == (m.rollout.reward if m.exit_reason == "submitted" else -1.5)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below pid (from /proc), so that the test sees forkserver children too."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the worker processes")
+def test_sigterm_stops_the_worker_processes(toy_policies, tmp_path):
+    """A killed `tsrl train` takes its rollout and learner processes with it (they used to keep running)."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "killed"
+    p = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "train", "experiments/smoke/tiny_cpu.yaml", "--rounds", "500",
+                          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not rows(out, "metrics.jsonl") and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.5)
+        assert rows(out, "metrics.jsonl"), "the run never finished a round"
+        workers = _descendants(p.pid)
+        assert len(workers) >= 2  # rollout and learner (and the forkserver)
+        os.kill(p.pid, signal.SIGTERM)
+        assert p.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while (workers & _descendants(1) - _zombies()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not (workers & (_descendants(1) - _zombies())), "worker processes outlived the killed run"
+        assert not (out / "DONE").exists()
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for pid in locals().get("workers", set()) & _descendants(1):  # a failed run leaves nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _zombies() -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                out.add(int(stat.parent.name))
+        except OSError:
+            pass
+    return out

@@ -44,6 +44,8 @@ def prepare_data(
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
     policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also train the default student and teacher policies (SFT; several minutes on 2 cores; kept when already built from the same data).")] = True,
     rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
+    policy_recipe: Annotated[str, typer.Option(help="embedded: two_stage (the shipped default: SFT only, recalls its training tasks) or copy (copy curriculum, 2 layers: copies names, about 35 % on held-out terminal tasks; see docs/embedded.md).")] = "two_stage",
+    policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a public task set (hub or local files) into tsrl task records with a manifest.
@@ -53,7 +55,7 @@ def prepare_data(
     from tsrl_cli.console import console, progress_printer
 
     if source == "embedded":
-        return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy)
+        return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_recipe, policy_out)
     try:
         from tsrl_cli.datasets.prepare import PrepareOptions, prepare
 
@@ -72,15 +74,20 @@ def prepare_data(
         _render_prepare(console, res)
 
 
-def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False) -> None:
+def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False,
+                      recipe: str = "two_stage", policy_out: str | None = None) -> None:
     """Build the shipped suite and prepare its four datasets (see tsrl_cli/embedded/prepare.py)."""
     from tsrl_cli.console import console, progress_printer
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE, RECIPES, PolicyBuildConfig
 
+    if recipe not in RECIPES:
+        raise _fail(UsageError(f"--policy-recipe {recipe!r}: use one of {', '.join(RECIPES)}"))
     try:
         from tsrl_cli.embedded.prepare import prepare_embedded
 
         res = prepare_embedded(out_root, seed, progress=progress_printer(not json_out), build_policy=policy,
-                               rebuild_policy=rebuild)
+                               rebuild_policy=rebuild, policy=COPY_RECIPE if recipe == "copy" else PolicyBuildConfig(),
+                               policy_out=policy_out)
     except UsageError as e:
         raise _fail(e) from None
     if json_out:

@@ -7,10 +7,18 @@ Data (all demonstrations run in real sandboxes of real tasks, with their true fi
     extensions that appear in no split), for SFT only: they teach the model to copy names out of
     the instruction instead of recalling the training tasks' names (a 15-epoch model trained on the
     training tasks alone scored 59 % on them and 0 % on held-out tasks, results/LOG.md).
-Models: one SFT run of `teacher_epochs`; the student is the snapshot after `student_epochs` (same
-architecture and tokenizer, trained less), the teacher the final weights ("trained longer" in
-issue 4). Both are saved in bfloat16 (about 7 MB each) and load in any dtype with load_policy.
-Deterministic for a seed on one machine (one torch thread, fixed data order).
+Two recipes (`PolicyBuildConfig.recipe`):
+  two_stage  SFT stage 1 on every demo, stage 2 on the training tasks' demos; the student is stage
+             2's snapshot after `student_epochs`, the teacher its final weights ("trained longer" in
+             issue 4). 4 layers. Recalls its training tasks: 0 % on held-out tasks.
+  copy       the copy curriculum (copy_curriculum.py: word-stable tokenizer, induction drill, family
+             first moves, then SFT with copying mixed in), 2 layers. From one phase-B state, two
+             phase-C branches: the student sees no demonstration of a terminal training task (so RL
+             on that split trains on instances it was never shown solved) for `student_epochs`; the
+             teacher sees every demonstration for `teacher_epochs`. Copies names: about 35 % on
+             held-out terminal tasks at T=1 (results/LOG.md, 2026-12-01). `COPY_RECIPE` is its config.
+Both models are saved in bfloat16 and load in any dtype with load_policy. Deterministic for a seed
+on one machine (one torch thread, fixed data order).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from tsrl_cli.embedded.copy_curriculum import CopyCurriculum, CopyTrainer
 from tsrl_cli.embedded.demos import DemoConfig, dataset_tasks, demo_stats, make_demos, train_policy_tokenizer
 from tsrl_cli.embedded.sft import SFTConfig, build_policy_model, encode_demos, num_params, train_sft
 
@@ -39,6 +48,7 @@ AUG_EXTS = ["txt", "csv1", "note", "rec", "data", "conf", "text", "lg", "bk", "d
 @dataclass(frozen=True)
 class PolicyBuildConfig:
     seed: int = 0
+    recipe: str = "two_stage"  # or "copy" (see the module docstring)
     aug_terminal: int = 400  # extra terminal instances (SFT only) with made-up names
     vocab_size: int = 2048
     # stage 1: every demonstration (training tasks + made-up-name instances): format and copying
@@ -50,6 +60,17 @@ class PolicyBuildConfig:
     teacher_epochs: int = 8  # ... the teacher is stage 2's final weights (trained longer)
     sft: SFTConfig = field(default_factory=SFTConfig)  # its `epochs` and `lr` are set per stage
     demos: DemoConfig = field(default_factory=lambda: DemoConfig(concurrency=6))
+    copy: CopyCurriculum = field(default_factory=CopyCurriculum)  # the copy recipe's phases (stage* unused)
+
+    def __post_init__(self):
+        if self.recipe not in RECIPES:
+            raise ValueError(f"policy recipe {self.recipe!r}: use one of {', '.join(RECIPES)}")
+
+
+RECIPES = ("two_stage", "copy")
+# the copy recipe as measured (results/LOG.md 2026-12-01): the student is phase C's first epoch
+# without terminal-training demos, the teacher two epochs with every demo
+COPY_RECIPE = PolicyBuildConfig(recipe="copy", student_epochs=1, teacher_epochs=2, sft=SFTConfig(layers=2))
 
 
 def pseudo_words(rng: random.Random, n: int) -> list[str]:
@@ -116,6 +137,8 @@ def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = Policy
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     t_demos = time.perf_counter() - t0
+    if cfg.recipe == "copy":
+        return _build_copy(demos, root, out, cfg, progress, t0, t_demos)
     tok = train_policy_tokenizer(demos, cfg.vocab_size)
     stats = demo_stats(demos, tok)
     progress(f"tokenizer: vocab {len(tok)}; {stats['demos']} demos, {stats['tokens_mean']} tokens each on average")
@@ -149,13 +172,53 @@ def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = Policy
     if cfg.student_epochs in snapshots:
         model.load_state_dict(snapshots[cfg.student_epochs])
     _save_bf16(model, tok, out / "student", {**info, "role": "student", "stage2_epochs": cfg.student_epochs})
+    progress(f"policy: student ({cfg.student_epochs} epochs) and teacher ({cfg.teacher_epochs} epochs) in {out}")
+    return _write_record(info, root, out, cfg, t0, t_demos, t_sft)
+
+
+def _write_record(info: dict, root: Path, out: Path, cfg: PolicyBuildConfig, t0: float, t_demos: float,
+                  t_sft: float) -> dict:
     record = {**info, "key": build_key(root, cfg), "seconds": {"demos": round(t_demos, 1), "sft": round(t_sft, 1),
                                   "total": round(time.perf_counter() - t0, 1)}}
     tmp = out / "build.json.tmp"
     tmp.write_text(json.dumps(record, indent=1))
     tmp.rename(out / "build.json")
-    progress(f"policy: student ({cfg.student_epochs} epochs) and teacher ({cfg.teacher_epochs} epochs) in {out}")
     return record
+
+
+def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig, progress, t0: float,
+                t_demos: float) -> dict:
+    """The copy recipe: phases A-B once, then the student's and the teacher's phase C from that state."""
+    tok = train_policy_tokenizer(demos, cfg.vocab_size, word_stable=True)
+    stats = demo_stats(demos, tok)
+    progress(f"tokenizer (word-stable): vocab {len(tok)}; {stats['demos']} demos, "
+             f"{stats['tokens_mean']} tokens each on average")
+    model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
+                               pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    t1 = time.perf_counter()
+    losses: dict[str, list] = {}
+
+    def log(role: str):
+        def f(rec: dict) -> None:
+            losses.setdefault(f"{role}{rec['phase']}", []).append(rec["loss"])
+            progress(f"{role}{rec['phase']}: step {rec['step']}/{rec['of']}, loss {rec['loss']:.3f}")
+        return f
+
+    student = CopyTrainer(model, tok, cfg.copy, cfg.seed)
+    student.pretrain(log(""))
+    teacher = student.fork()
+    # aug-* are made-up-name instances in no split; the terminal training split stays unseen by the student
+    unseen = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
+    student.sft(unseen, cfg.student_epochs, log=log("student "), max_len=cfg.sft.max_len)
+    teacher.sft(demos, cfg.teacher_epochs, log=log("teacher "), max_len=cfg.sft.max_len)
+    t_sft = time.perf_counter() - t1
+    info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
+            "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": _jsonable(cfg),
+            "demo_stats": stats, "logged_loss": losses}
+    _save_bf16(teacher.model, tok, out / "teacher", {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs})
+    _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs})
+    progress(f"policy (copy recipe): student ({cfg.student_epochs} epoch) and teacher ({cfg.teacher_epochs}) in {out}")
+    return _write_record(info, root, out, cfg, t0, t_demos, t_sft)
 
 
 def build_key(data_root: str | Path, cfg: PolicyBuildConfig) -> str:

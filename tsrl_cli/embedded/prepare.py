@@ -28,12 +28,13 @@ EMBEDDED_SETS = ("embedded_repair_heldout", "embedded_terminal_heldout", "embedd
 def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Callable[[str], None] = lambda m: None,
                      *, repos: list[str] | None = None, max_per_repo: int = 40, n_terminal_train: int = 120,
                      n_terminal_heldout: int = 30, policy=None, build_policy: bool = False,
-                     rebuild_policy: bool = False) -> dict:
+                     rebuild_policy: bool = False, policy_out: str | Path | None = None) -> dict:
     """Build and prepare the embedded suite; returns {dataset name: prepare() result, "policy": ..., "seconds": ...}.
 
     With build_policy, the default student and teacher (policy_build.py, `policy` a PolicyBuildConfig)
     are then trained on the prepared training sets, unless data/embedded_policy already holds a build
     of the same training data and config (its build key), which is kept (rebuild_policy forces it).
+    policy_out: where the policy goes (default data_root/embedded_policy, what `tsrl train` loads).
     """
     from tsrl_cli.datasets.prepare import PrepareOptions, prepare
     from tsrl_cli.embedded.repair_suite import build_repair_suite
@@ -48,8 +49,7 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
         repair = build_repair_suite(stage, seed, progress, repos=repos, max_per_repo=max_per_repo)
         for split, tasks in repair.items():
             with open(stage / f"repair_{split}.jsonl", "w") as f:
-                for t in tasks:
-                    f.write(json.dumps(asdict(t)) + "\n")
+                f.writelines(json.dumps(asdict(t)) + "\n" for t in tasks)
         progress("building terminal tasks (each is checked: reward 0 before, 1 after its solution)")
         build_terminal_suite(stage, seed, n_train=n_terminal_train, n_heldout=n_terminal_heldout, progress=progress)
         results = {}
@@ -68,18 +68,18 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     if build_policy:
-        results["policy"] = _policy(root, seed, policy, rebuild_policy, progress)
+        results["policy"] = _policy(root, seed, policy, rebuild_policy, progress, policy_out)
     return {**results, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _policy(root: Path, seed: int, cfg, rebuild: bool, progress) -> dict:
+def _policy(root: Path, seed: int, cfg, rebuild: bool, progress, out_dir=None) -> dict:
     from dataclasses import replace
 
     from tsrl_cli.embedded.policy_build import POLICY_DIR, TRAIN_SETS, PolicyBuildConfig, build_key, build_policy
 
     cfg = replace(cfg or PolicyBuildConfig(), seed=seed)
     key = build_key(root, cfg)
-    out = root / POLICY_DIR
+    out = Path(out_dir) if out_dir is not None else root / POLICY_DIR
     try:
         old = json.loads((out / "build.json").read_text())
     except (OSError, ValueError):
@@ -89,4 +89,4 @@ def _policy(root: Path, seed: int, cfg, rebuild: bool, progress) -> dict:
                  "and this config; kept (--rebuild-policy to train again)")
         return {**old, "unchanged": True, "out": str(out)}
     progress("building the default policy: demonstrations, tokenizer, SFT (student, then teacher)")
-    return {**build_policy(root, cfg, progress), "unchanged": False, "out": str(out)}
+    return {**build_policy(root, cfg, progress, out_dir=out), "unchanged": False, "out": str(out)}

@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
+import signal
 import sys
+import threading
 import traceback
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
               "TOKENIZERS_PARALLELISM": "false"}
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Inside: SIGTERM raises SystemExit(143) in the main thread, so `with Workers(...)` stops its worker
+    processes. Without it a killed `tsrl train` or `tsrl sweep` died at once and left its rollout and
+    learner processes running (found still busy 20 minutes after a `pkill`, results/LOG.md 2026-12-01)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def thread_env() -> None:

@@ -12,6 +12,7 @@ round plan and every request's sampling seed from request_seed(seed, round, grou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import statistics
 import time
@@ -197,7 +198,10 @@ class RolloutWorker:
         if any(v != version for v in res.policy_versions):
             raise RuntimeError(f"policy version changed inside round {round_}: {set(res.policy_versions)} != {version}")
         tools = [e for e in res.events if e["event"] == "tool"]
-        return TrajectoryDone(round_, version, res.rollout, spec.task_key, res.exit_reason, res.num_turns,
+        rollout = res.rollout
+        if self.cfg.rollout.unsubmitted_reward is not None and res.exit_reason != "submitted":
+            rollout = dataclasses.replace(rollout, reward=float(self.cfg.rollout.unsubmitted_reward))
+        return TrajectoryDone(round_, version, rollout, spec.task_key, res.exit_reason, res.num_turns,
                               time.monotonic(), sum(e["duration_s"] for e in tools),
                               sum(e["injected_latency_s"] for e in tools))
 

@@ -41,9 +41,8 @@ def score_turn(model, ids_T: list[int], start: int, end: int) -> list[float]:
 
 class TeacherWorker:
     def __init__(self, cfg: TrainConfig, teacher_dir: str, in_q, out_q, report_q):
-        from tsrl_cli.rl.rollout_worker import load_policy_model
-
         from tsrl_cli.rl.placement import device_of
+        from tsrl_cli.rl.rollout_worker import load_policy_model
 
         self.device = device_of(cfg, "teacher")
         self.model, _ = load_policy_model(teacher_dir, cfg.model.dtype, self.device)

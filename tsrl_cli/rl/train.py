@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
 from tsrl_cli.errors import UsageError
-from tsrl_cli.rl.process import thread_env
+from tsrl_cli.rl.process import sigterm_raises, thread_env
 from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.tasks import load_task_table, plan_round
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
@@ -121,7 +121,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
               "trajectories_per_round": plans[0].num_trajectories if plans else 0})
     if plans:
         save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
-        with Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans, save_initial) as workers:
+        with sigterm_raises(), Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans,
+                                       save_initial) as workers:
             Orchestrator(cfg, run, workers, plans, offsets, progress).run()
     if cfg.eval.every > 0:
         evaluate_checkpoints(cfg, run, progress)
