@@ -121,3 +121,15 @@ def test_tiny_copy_recipe_build(root, tmp_path):
     assert info["role"] == "student" and info["sft_epochs"] == 1
     assert not (root / "embedded_policy" / "build.json").exists() or \
         json.loads((root / "embedded_policy" / "build.json").read_text())["key"] != pol["key"]  # default untouched
+
+
+def test_default_config_keeps_the_shipped_build_key():
+    """The shipped policy was built from the default config before recipes existed: its recorded config
+    is what the key hashes today, so `tsrl prepare-data embedded` keeps it instead of retraining."""
+    from pathlib import Path
+
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE, key_config
+
+    shipped = json.loads((Path(__file__).parents[2] / "data" / "embedded_policy" / "build.json").read_text())
+    assert key_config(PolicyBuildConfig()) == shipped["config"]
+    assert key_config(COPY_RECIPE)["recipe"] == "copy" and "copy" in key_config(COPY_RECIPE)

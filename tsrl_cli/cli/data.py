@@ -44,7 +44,7 @@ def prepare_data(
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
     policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also train the default student and teacher policies (SFT; several minutes on 2 cores; kept when already built from the same data).")] = True,
     rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
-    policy_recipe: Annotated[str, typer.Option(help="embedded: two_stage (the shipped default: SFT only, recalls its training tasks) or copy (copy curriculum, 2 layers: copies names, about 35 % on held-out terminal tasks; see docs/embedded.md).")] = "two_stage",
+    policy_recipe: Annotated[str, typer.Option(help="embedded: two_stage (the shipped default: SFT only, recalls its training tasks) or copy (copy curriculum, 2 layers: copies names from the instruction and reaches held-out terminal tasks; see the README).")] = "two_stage",
     policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -166,7 +166,7 @@ def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = Policy
     log2 = sft_stage(model, keep, s2, pad, "stage 2", progress, epoch_end)
     t_sft = time.perf_counter() - t1
     info = {"params": num_params(model), "vocab": len(tok), "sequences": {"stage1": len(seqs), "stage2": len(keep)},
-            "config": _jsonable(cfg), "demo_stats": stats,
+            "config": key_config(cfg), "demo_stats": stats,
             "epoch_loss": {"stage1": _epoch_losses(log1), "stage2": _epoch_losses(log2)}}
     _save_bf16(model, tok, out / "teacher", {**info, "role": "teacher", "stage2_epochs": cfg.teacher_epochs})
     if cfg.student_epochs in snapshots:
@@ -213,7 +213,7 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
     teacher.sft(demos, cfg.teacher_epochs, log=log("teacher "), max_len=cfg.sft.max_len)
     t_sft = time.perf_counter() - t1
     info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
-            "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": _jsonable(cfg),
+            "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": key_config(cfg),
             "demo_stats": stats, "logged_loss": losses}
     _save_bf16(teacher.model, tok, out / "teacher", {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs})
     _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs})
@@ -231,7 +231,7 @@ def build_key(data_root: str | Path, cfg: PolicyBuildConfig) -> str:
     # the records themselves, not the manifest's content hash: that one also covers the evaluation
     # sets' paths, so the same suite prepared in another folder would never match
     parts = [records_sha256(load_dataset_dir(Path(data_root) / name)[1]) for name in TRAIN_SETS]
-    blob = json.dumps([parts, _jsonable(cfg), torch.__version__.split("+")[0]], sort_keys=True)
+    blob = json.dumps([parts, key_config(cfg), torch.__version__.split("+")[0]], sort_keys=True)
     return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -263,6 +263,17 @@ def _epoch_losses(log: list[dict]) -> list[float]:
     for r in log:
         by.setdefault(r["epoch"], []).append(r["loss"])
     return [round(sum(v) / len(v), 4) for _, v in sorted(by.items())]
+
+
+def key_config(cfg: PolicyBuildConfig) -> dict:
+    """The config as the build key sees it. A two_stage config leaves out the fields added with the
+    recipes (`recipe`, `copy`), so its key is the one computed before they existed and the shipped
+    policy (data/embedded_policy/build.json) stays valid instead of being retrained."""
+    d = _jsonable(cfg)
+    if cfg.recipe == "two_stage":
+        d.pop("recipe")
+        d.pop("copy")
+    return d
 
 
 def _jsonable(cfg) -> dict:
