@@ -23,6 +23,14 @@ runs (its student: --sft-skip-terminal-train, epoch 1; its teacher: all demos, e
 
 (what made data/copy_policy/ for experiments/heldout/: student = epoch 1, teacher = epoch 2 of the
 default 6-epoch schedule; about 25 min on 2 shared cores, results/LOG.md 2026-12-01)
+
+The copy_repair preset (session 8): student and teacher as two runs from one cached phase-B state,
+each repair demonstration 4 times per epoch, epoch 3 of each (`--policy-recipe copy_repair`):
+
+  .venv/bin/python experiments/copy_policy.py --out /tmp/cr_student --sft-skip-terminal-train \
+      --repair-repeat 4 --stop-after 3 --probe-repair 10 --pretrain-cache /tmp/phaseB.pt
+  .venv/bin/python experiments/copy_policy.py --out /tmp/cr_teacher \
+      --repair-repeat 4 --stop-after 3 --probe-repair 10 --pretrain-cache /tmp/phaseB.pt
 """
 
 from __future__ import annotations
@@ -60,6 +68,12 @@ def main() -> None:
                     help="phase C leaves out the demonstrations of the terminal training split (the tokenizer "
                          "still sees every demo, so it is the same as without this flag): RL then trains on "
                          "instances the policy has never been shown solved")
+    ap.add_argument("--repair-repeat", type=int, default=1,
+                    help="each repair demonstration appears this many times per phase-C epoch")
+    ap.add_argument("--probe-repair", type=int, default=0, help="training repair tasks probed at T=1, x4")
+    ap.add_argument("--probe-from", type=int, default=1, help="first epoch that is saved and probed")
+    ap.add_argument("--pretrain-cache", default=None,
+                    help="file with the phase-A/B state: loaded if it exists, else written after phase B")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--export", default=None, help="copy the chosen epochs here as student/ and teacher/")
@@ -86,23 +100,41 @@ def main() -> None:
             f.write(json.dumps(rec) + "\n")
 
     t0 = time.perf_counter()
-    trainer.pretrain(log)
+    cache = Path(a.pretrain_cache) if a.pretrain_cache else None
+    if cache is not None and cache.is_file():
+        trainer.load_state(torch.load(cache, weights_only=False))
+        log({"phase": "pretrain", "loaded": str(cache)})
+    else:
+        trainer.pretrain(log)
+        if cache is not None:
+            torch.save(trainer.state(), cache)
     if a.sft_skip_terminal_train:  # aug-* are made-up-name instances, in no split
         demos = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
         log({"phase": "sft", "demos": len(demos), "skipped": "terminal training split"})
+    if a.repair_repeat > 1:
+        demos = demos + [d for d in demos if d["kind"] == "repair"] * (a.repair_repeat - 1)
+        log({"phase": "sft", "demos": len(demos), "repair_repeat": a.repair_repeat})
     probe_sets = {}
 
     def on_epoch(e: int) -> None:
+        if e < a.probe_from:
+            return
         if not probe_sets:  # read here, not at the start: the splits may still be being prepared
             probe_sets["heldout"] = dataset_tasks(Path(a.data) / "embedded_terminal_heldout", a.probe_heldout)
             train_t = dataset_tasks(Path(a.data) / "embedded_terminal_train")
             probe_sets["train"] = random.Random(0).sample(train_t, min(a.probe_train, len(train_t)))
+            train_r = dataset_tasks(Path(a.data) / "embedded_repair_train")
+            probe_sets["repair"] = random.Random(0).sample(train_r, min(a.probe_repair, len(train_r)))
         model.save_pretrained(out / f"epoch{e}")
         tok.save_pretrained(out / f"epoch{e}")
         model.eval()
         g = probe_policy(model, tok, probe_sets["heldout"], samples=1, temperature=0.0)
         t = probe_policy(model, tok, probe_sets["train"], samples=4, temperature=1.0)
+        r = probe_policy(model, tok, probe_sets["repair"], samples=4, temperature=1.0) if probe_sets["repair"] else None
         model.train()
+        if r is not None:
+            log({"phase": "probe", "epoch": e, "repair_t1": r["repair"]["success_rate"],
+                 "repair_groups_var": r["repair"]["groups_nonzero_var"], "repair_turns": r["repair"].get("mean_turns")})
         log({"phase": "probe", "epoch": e, "heldout_greedy": g["terminal"]["success_rate"],
              "heldout_solved": sorted(x["task_id"] for x in g["results"] if x["reward"] > 0),
              "train_t1": t["terminal"]["success_rate"], "train_groups_var": t["terminal"]["groups_nonzero_var"]})

@@ -105,7 +105,8 @@ def test_tiny_copy_recipe_build(root, tmp_path):
 
     cfg = replace(COPY_RECIPE, aug_terminal=6, vocab_size=400, demos=DemoConfig(concurrency=2),
                   sft=SFTConfig(hidden=32, layers=1, max_positions=2048),
-                  copy=CopyCurriculum(drill_steps=2, family_steps=2, drill_batch=4, family_batch=2, sft_batch=4))
+                  copy=CopyCurriculum(drill_steps=2, family_steps=2, drill_batch=4, family_batch=2, sft_batch=4,
+                                      repair_repeat=2))
     res = prepare_embedded(root, seed=0, build_policy=True, policy=cfg, policy_out=tmp_path / "pol", **SMALL)
     pol = res["policy"]
     assert pol["recipe"] == "copy" and pol["key"] == build_key(root, cfg) != build_key(root, TINY)
@@ -121,6 +122,31 @@ def test_tiny_copy_recipe_build(root, tmp_path):
     assert info["role"] == "student" and info["sft_epochs"] == 1
     assert not (root / "embedded_policy" / "build.json").exists() or \
         json.loads((root / "embedded_policy" / "build.json").read_text())["key"] != pol["key"]  # default untouched
+
+    # reference: both branches again in this process, one after the other from one phase-B state (the
+    # build ran the teacher's in a spawned process from a saved state); the weights must be equal bit for bit
+    from tsrl_cli.embedded.copy_curriculum import CopyTrainer
+    from tsrl_cli.embedded.demos import train_policy_tokenizer
+    from tsrl_cli.embedded.sft import build_policy_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rtok = train_policy_tokenizer(demos, cfg.vocab_size, word_stable=True)
+        model = build_policy_model(len(rtok), 32, 1, 2048, 0, pad_id=rtok.pad_token_id,
+                                   eos_id=rtok.convert_tokens_to_ids("<|im_end|>"))
+        ref_s = CopyTrainer(model, rtok, cfg.copy, 0)
+        ref_s.pretrain()
+        ref_t = ref_s.fork()
+        repair = [d for d in demos if d["kind"] == "repair"]
+        assert repair
+        ref_s.sft([d for d in demos if d not in train_terminal] + repair, 1)
+        ref_t.sft(demos + repair, 2)  # repair_repeat=2: every repair demo twice per epoch
+    finally:
+        torch.set_num_threads(threads)
+    for built, ref in ((s, ref_s.model), (te, ref_t.model)):
+        for (name, a), b in zip(built.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b.detach().to(torch.bfloat16).float()), name
 
 
 def test_default_config_keeps_the_shipped_build_key():

@@ -14,7 +14,7 @@ from tsrl_cli.envs.tasks import open_dataset, run_in_task
 
 needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
                                      reason="no sandbox isolation (bubblewrap or unshare)")
-SMALL = dict(repos=["roman", "money"], max_per_repo=3, n_terminal_train=6, n_terminal_heldout=3)
+SMALL = {"repos": ["roman", "money"], "max_per_repo": 3, "n_terminal_train": 6, "n_terminal_heldout": 3}
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +66,17 @@ def test_cli_embedded_json(tmp_path, monkeypatch):
 
 def test_cli_policy_recipe_is_checked_and_passed(tmp_path, monkeypatch):
     import tsrl_cli.embedded.prepare as ep
-    from tsrl_cli.embedded.policy_build import COPY_RECIPE
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE, COPY_REPAIR_RECIPE
 
     res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "magic"])
-    assert res.exit_code == 2 and "two_stage, copy" in res.output and not any(tmp_path.iterdir())
+    assert res.exit_code == 2 and "two_stage, copy, copy_repair" in res.output and not any(tmp_path.iterdir())
     seen = {}
     monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress, **kw: seen.update(kw) or {"seconds": 0})
     res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "copy",
                                    "--policy-out", str(tmp_path / "p"), "--json"])
     assert res.exit_code == 0, res.output
     assert seen["policy"] == COPY_RECIPE and seen["policy_out"] == str(tmp_path / "p")
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe",
+                                   "copy_repair", "--json"])
+    assert res.exit_code == 0, res.output
+    assert seen["policy"] == COPY_REPAIR_RECIPE and COPY_REPAIR_RECIPE.copy.repair_repeat == 4

@@ -44,6 +44,7 @@ class CopyCurriculum:
     sft_batch: int = 8
     schedule_epochs: int = 6  # phase C's cosine length (a branch may stop earlier)
     mix_every: int = 3
+    repair_repeat: int = 1  # each repair demonstration this many times per phase-C epoch (policy_build)
 
 
 def letter_tokens(tokenizer) -> tuple[list[str], list[int]]:
@@ -134,6 +135,15 @@ class CopyTrainer:
             self.step(loss := (self.drill_loss() if drill else self.family_loss()), c.lr)
             if s % 100 == 0:
                 log({"phase": "family", "step": s, "of": c.family_steps, "loss": round(loss.item(), 3)})
+
+    def state(self) -> dict:
+        """Everything phase C continues from (model, optimizer, batch RNG): torch.save-able."""
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "rng": self.rng.getstate()}
+
+    def load_state(self, st: dict) -> None:
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        self.rng.setstate(st["rng"])
 
     def fork(self) -> CopyTrainer:
         """An independent copy (model, optimizer state, RNG): a second phase C from the same point."""

@@ -15,8 +15,10 @@ Two recipes (`PolicyBuildConfig.recipe`):
              first moves, then SFT with copying mixed in), 2 layers. From one phase-B state, two
              phase-C branches: the student sees no demonstration of a terminal training task (so RL
              on that split trains on instances it was never shown solved) for `student_epochs`; the
-             teacher sees every demonstration for `teacher_epochs`. Copies names: about 35 % on
-             held-out terminal tasks at T=1 (results/LOG.md, 2026-12-01). `COPY_RECIPE` is its config.
+             teacher sees every demonstration for `teacher_epochs`; the teacher's branch runs in a
+             second process (bit-identical to running it after the student's, tested). Copies names:
+             about 35 % on held-out terminal tasks at T=1 (results/LOG.md, 2026-12-01); 0 % on repair.
+             `COPY_RECIPE` is its config.
 Both models are saved in bfloat16 and load in any dtype with load_policy. Deterministic for a seed
 on one machine (one torch thread, fixed data order).
 """
@@ -67,10 +69,16 @@ class PolicyBuildConfig:
             raise ValueError(f"policy recipe {self.recipe!r}: use one of {', '.join(RECIPES)}")
 
 
-RECIPES = ("two_stage", "copy")
+RECIPES = ("two_stage", "copy")  # how a build trains (PolicyBuildConfig.recipe); PRESETS name whole configs
 # the copy recipe as measured (results/LOG.md 2026-12-01): the student is phase C's first epoch
 # without terminal-training demos, the teacher two epochs with every demo
 COPY_RECIPE = PolicyBuildConfig(recipe="copy", student_epochs=1, teacher_epochs=2, sft=SFTConfig(layers=2))
+# the copy recipe with every repair demonstration 4 times per phase-C epoch, so the repair training tasks
+# are learned too (results/LOG.md 2026-12-01 session 8: 0 % repair after 4 passes, 10 % after 8, 32 % after 12)
+COPY_REPAIR_RECIPE = PolicyBuildConfig(recipe="copy", student_epochs=3, teacher_epochs=3,
+                                       sft=SFTConfig(layers=2), copy=CopyCurriculum(repair_repeat=4))
+# `tsrl prepare-data embedded --policy-recipe NAME`
+PRESETS = {"two_stage": PolicyBuildConfig(), "copy": COPY_RECIPE, "copy_repair": COPY_REPAIR_RECIPE}
 
 
 def pseudo_words(rng: random.Random, n: int) -> list[str]:
@@ -188,37 +196,89 @@ def _write_record(info: dict, root: Path, out: Path, cfg: PolicyBuildConfig, t0:
 
 def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig, progress, t0: float,
                 t_demos: float) -> dict:
-    """The copy recipe: phases A-B once, then the student's and the teacher's phase C from that state."""
+    """The copy recipe: phases A-B once, then the student's and the teacher's phase C from that state,
+    the teacher's in a second process (the two branches share nothing, so this only halves the wall time)."""
+    import multiprocessing as mp
+
+    from tsrl_cli.rl.process import sigterm_raises
+
     tok = train_policy_tokenizer(demos, cfg.vocab_size, word_stable=True)
     stats = demo_stats(demos, tok)
     progress(f"tokenizer (word-stable): vocab {len(tok)}; {stats['demos']} demos, "
              f"{stats['tokens_mean']} tokens each on average")
-    model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
-                               pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    t1 = time.perf_counter()
-    losses: dict[str, list] = {}
-
-    def log(role: str):
-        def f(rec: dict) -> None:
-            losses.setdefault(f"{role}{rec['phase']}", []).append(rec["loss"])
-            progress(f"{role}{rec['phase']}: step {rec['step']}/{rec['of']}, loss {rec['loss']:.3f}")
-        return f
-
-    student = CopyTrainer(model, tok, cfg.copy, cfg.seed)
-    student.pretrain(log(""))
-    teacher = student.fork()
-    # aug-* are made-up-name instances in no split; the terminal training split stays unseen by the student
-    unseen = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
-    student.sft(unseen, cfg.student_epochs, log=log("student "), max_len=cfg.sft.max_len)
-    teacher.sft(demos, cfg.teacher_epochs, log=log("teacher "), max_len=cfg.sft.max_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-reproducible on any core count; the branches run side by side
+    stage = out / ".branch"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    proc = None
+    with sigterm_raises():  # a killed build stops its teacher branch too (the finally below)
+        try:
+            model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
+                                       pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+            t1 = time.perf_counter()
+            losses: dict[str, list] = {}
+            student = CopyTrainer(model, tok, cfg.copy, cfg.seed)
+            student.pretrain(_copy_log("", losses, progress))
+            # aug-* are made-up-name instances in no split; the terminal training split stays unseen by the student
+            unseen = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
+            info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
+                    "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": key_config(cfg),
+                    "demo_stats": stats}
+            tok.save_pretrained(str(stage / "tokenizer"))
+            torch.save(student.state(), stage / "phase_b.pt")
+            ctx = mp.get_context("spawn")
+            proc = ctx.Process(target=_teacher_branch, daemon=True,
+                               args=(str(stage), demos, cfg, out / "teacher", info))
+            proc.start()
+            progress("teacher branch started in a second process")
+            student.sft(_repeat_repair(unseen, cfg.copy.repair_repeat), cfg.student_epochs,
+                        log=_copy_log("student ", losses, progress), max_len=cfg.sft.max_len)
+            _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs,
+                                                            "logged_loss": losses})
+            progress(f"student saved; waiting for the teacher branch ({cfg.teacher_epochs} epochs)")
+            proc.join()
+            if proc.exitcode != 0:
+                raise RuntimeError(f"the teacher's SFT branch failed (exit code {proc.exitcode}; its traceback is above)")
+        finally:
+            if proc is not None and proc.is_alive():
+                proc.terminate()
+                proc.join()
+            torch.set_num_threads(threads)
+            shutil.rmtree(stage, ignore_errors=True)
     t_sft = time.perf_counter() - t1
-    info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
-            "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": key_config(cfg),
-            "demo_stats": stats, "logged_loss": losses}
-    _save_bf16(teacher.model, tok, out / "teacher", {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs})
-    _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs})
     progress(f"policy (copy recipe): student ({cfg.student_epochs} epoch) and teacher ({cfg.teacher_epochs}) in {out}")
     return _write_record(info, root, out, cfg, t0, t_demos, t_sft)
+
+
+def _repeat_repair(demos: list[dict], k: int) -> list[dict]:
+    """Each repair demonstration k times (an epoch then holds k passes over them): repair is learned by
+    recall of the training tasks, which needs more passes than the terminal families' copying."""
+    return demos + [d for d in demos if d["kind"] == "repair"] * (k - 1)
+
+
+def _copy_log(role: str, losses: dict, progress):
+    def f(rec: dict) -> None:
+        losses.setdefault(f"{role}{rec['phase']}", []).append(rec["loss"])
+        progress(f"{role}{rec['phase']}: step {rec['step']}/{rec['of']}, loss {rec['loss']:.3f}")
+    return f
+
+
+def _teacher_branch(stage: str, demos: list[dict], cfg: PolicyBuildConfig, dest: Path, info: dict) -> None:
+    """The teacher's phase C, in a spawned process: phase B's saved state, every demonstration."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(str(Path(stage) / "tokenizer"))
+    model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
+                               pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    teacher = CopyTrainer(model, tok, cfg.copy, cfg.seed)
+    teacher.load_state(torch.load(Path(stage) / "phase_b.pt", weights_only=False))
+    losses: dict[str, list] = {}
+    teacher.sft(_repeat_repair(demos, cfg.copy.repair_repeat), cfg.teacher_epochs,
+                log=_copy_log("teacher ", losses, lambda m: None), max_len=cfg.sft.max_len)
+    _save_bf16(teacher.model, tok, dest, {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs,
+                                          "logged_loss": losses})
 
 
 def build_key(data_root: str | Path, cfg: PolicyBuildConfig) -> str:
