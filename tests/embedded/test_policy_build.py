@@ -154,8 +154,9 @@ def test_default_config_keeps_the_shipped_build_key():
     is what the key hashes today, so `tsrl prepare-data embedded` keeps it instead of retraining."""
     from pathlib import Path
 
-    from tsrl_cli.embedded.policy_build import COPY_RECIPE, key_config
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE, COPY_REPAIR_RECIPE, key_config
 
     shipped = json.loads((Path(__file__).parents[2] / "data" / "embedded_policy" / "build.json").read_text())
     assert key_config(PolicyBuildConfig()) == shipped["config"]
-    assert key_config(COPY_RECIPE)["recipe"] == "copy" and "copy" in key_config(COPY_RECIPE)
+    assert key_config(COPY_RECIPE)["recipe"] == "copy" and "repair_repeat" not in key_config(COPY_RECIPE)["copy"]
+    assert key_config(COPY_REPAIR_RECIPE)["copy"]["repair_repeat"] == 4

@@ -328,11 +328,14 @@ def _epoch_losses(log: list[dict]) -> list[float]:
 def key_config(cfg: PolicyBuildConfig) -> dict:
     """The config as the build key sees it. A two_stage config leaves out the fields added with the
     recipes (`recipe`, `copy`), so its key is the one computed before they existed and the shipped
-    policy (data/embedded_policy/build.json) stays valid instead of being retrained."""
+    policy (data/embedded_policy/build.json) stays valid instead of being retrained; a copy config
+    without repeated repair demos leaves out `copy.repair_repeat` for the same reason."""
     d = _jsonable(cfg)
     if cfg.recipe == "two_stage":
         d.pop("recipe")
         d.pop("copy")
+    elif cfg.copy.repair_repeat == 1:  # likewise for copy builds made before repair_repeat existed
+        d["copy"].pop("repair_repeat")
     return d
 
 
