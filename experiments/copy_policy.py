@@ -48,6 +48,7 @@ import torch
 def main() -> None:
     from tsrl_cli.embedded.copy_curriculum import CopyCurriculum, CopyTrainer
     from tsrl_cli.embedded.demos import dataset_tasks, train_policy_tokenizer
+    from tsrl_cli.embedded.policy_build import repeat_repair
     from tsrl_cli.embedded.sft import build_policy_model, probe_policy
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,7 +113,7 @@ def main() -> None:
         demos = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
         log({"phase": "sft", "demos": len(demos), "skipped": "terminal training split"})
     if a.repair_repeat > 1:
-        demos = demos + [d for d in demos if d["kind"] == "repair"] * (a.repair_repeat - 1)
+        demos = repeat_repair(demos, a.repair_repeat)
         log({"phase": "sft", "demos": len(demos), "repair_repeat": a.repair_repeat})
     probe_sets = {}
 

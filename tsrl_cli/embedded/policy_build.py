@@ -214,8 +214,7 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
     proc = None
     with sigterm_raises():  # a killed build stops its teacher branch too (the finally below)
         try:
-            model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
-                                       pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+            model = _new_model(tok, cfg)
             t1 = time.perf_counter()
             losses: dict[str, list] = {}
             student = CopyTrainer(model, tok, cfg.copy, cfg.seed)
@@ -232,7 +231,7 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
                                args=(str(stage), demos, cfg, out / "teacher", info))
             proc.start()
             progress("teacher branch started in a second process")
-            student.sft(_repeat_repair(unseen, cfg.copy.repair_repeat), cfg.student_epochs,
+            student.sft(repeat_repair(unseen, cfg.copy.repair_repeat), cfg.student_epochs,
                         log=_copy_log("student ", losses, progress), max_len=cfg.sft.max_len)
             _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs,
                                                             "logged_loss": losses})
@@ -251,10 +250,16 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
     return _write_record(info, root, out, cfg, t0, t_demos, t_sft)
 
 
-def _repeat_repair(demos: list[dict], k: int) -> list[dict]:
+def repeat_repair(demos: list[dict], k: int) -> list[dict]:
     """Each repair demonstration k times (an epoch then holds k passes over them): repair is learned by
     recall of the training tasks, which needs more passes than the terminal families' copying."""
     return demos + [d for d in demos if d["kind"] == "repair"] * (k - 1)
+
+
+def _new_model(tok, cfg: PolicyBuildConfig):
+    """The untrained policy model for this tokenizer and config (the same weights for a seed in any process)."""
+    return build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
+                              pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
 
 
 def _copy_log(role: str, losses: dict, progress):
@@ -270,12 +275,10 @@ def _teacher_branch(stage: str, demos: list[dict], cfg: PolicyBuildConfig, dest:
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(str(Path(stage) / "tokenizer"))
-    model = build_policy_model(len(tok), cfg.sft.hidden, cfg.sft.layers, cfg.sft.max_positions, cfg.seed,
-                               pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    teacher = CopyTrainer(model, tok, cfg.copy, cfg.seed)
+    teacher = CopyTrainer(_new_model(tok, cfg), tok, cfg.copy, cfg.seed)
     teacher.load_state(torch.load(Path(stage) / "phase_b.pt", weights_only=False))
     losses: dict[str, list] = {}
-    teacher.sft(_repeat_repair(demos, cfg.copy.repair_repeat), cfg.teacher_epochs,
+    teacher.sft(repeat_repair(demos, cfg.copy.repair_repeat), cfg.teacher_epochs,
                 log=_copy_log("teacher ", losses, lambda m: None), max_len=cfg.sft.max_len)
     _save_bf16(teacher.model, tok, dest, {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs,
                                           "logged_loss": losses})
