@@ -167,3 +167,41 @@ def test_save_load_round_trip_and_probe(tmp_path, suite, demos, tok):
     res = probe_policy(m2, tok2, suite[1][:1], samples=2, limits=AgentLimits(max_turns=2, max_turn_tokens=16))
     assert res["all"]["trajectories"] == 2 and res["all"]["groups"] == 1
     assert 0.0 <= res["all"]["success_rate"] <= 1.0
+
+
+def test_a_timed_out_command_reruns_the_demo_with_a_longer_timeout(suite, demos, monkeypatch):
+    """A tool call killed by the timeout (a busy machine) makes the whole demonstration run again with 4x the
+    timeout, so its text does not depend on the load; a command that times out on the retry too is kept."""
+    import types
+
+    import tsrl_cli.envs.tasks as tasks_mod
+
+    (d, t), real_make_env = suite[0][0], tasks_mod.make_env
+    timeouts: list[list[float]] = []
+
+    def patched(always: bool):
+        def make(*a, **kw):
+            env, calls = real_make_env(*a, **kw), []
+            timeouts.append(calls)
+            real_run = env.run
+
+            async def run(cmd, timeout):
+                calls.append(timeout)
+                if always or len(timeouts) == 1:  # the first command of the first attempt is "killed"
+                    return types.SimpleNamespace(output="", exit_code=137, limit="wall_clock")
+                return await real_run(cmd, timeout)
+            env.run = run
+            return env
+        return make
+
+    monkeypatch.setattr(tasks_mod, "make_env", patched(always=False))
+    again = asyncio.run(run_demo(t, d, "correct"))
+    assert len(timeouts) == 2 and timeouts[1][0] == 4 * timeouts[0][0] == 40.0
+    strip = lambda x: {k: v for k, v in x.items() if k != "seconds"}  # noqa: E731
+    assert strip(again) == strip(demos[("repair", "correct")])  # the retry's text is the unloaded one
+
+    timeouts.clear()
+    monkeypatch.setattr(tasks_mod, "make_env", patched(always=True))
+    hung = asyncio.run(run_demo(t, d, "correct"))
+    assert len(timeouts) == 2  # one retry only: a command that hangs every time is the demo's behavior
+    assert "[limit: wall_clock]" in next(m["content"] for m in hung["messages"] if m["role"] == "observation")

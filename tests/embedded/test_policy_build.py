@@ -99,20 +99,27 @@ def test_tiny_build_end_to_end_and_reuse(root):
 
 def test_tiny_copy_recipe_build(root, tmp_path):
     """The copy recipe end to end: word-stable tokenizer, the student's phase C without the terminal
-    training split's demonstrations, the teacher's with all of them; a key of its own."""
+    training split's demonstrations, the teacher's with only the solved ones (its own repair repeat); a key
+    of its own."""
     from tsrl_cli.embedded.copy_curriculum import CopyCurriculum
     from tsrl_cli.embedded.policy_build import COPY_RECIPE
 
     cfg = replace(COPY_RECIPE, aug_terminal=6, vocab_size=400, demos=DemoConfig(concurrency=2),
                   sft=SFTConfig(hidden=32, layers=1, max_positions=2048),
                   copy=CopyCurriculum(drill_steps=2, family_steps=2, drill_batch=4, family_batch=2, sft_batch=4,
-                                      repair_repeat=2))
+                                      repair_repeat=2),
+                  teacher_repair_repeat=3, teacher_solved_only=True)
     res = prepare_embedded(root, seed=0, build_policy=True, policy=cfg, policy_out=tmp_path / "pol", **SMALL)
     pol = res["policy"]
     assert pol["recipe"] == "copy" and pol["key"] == build_key(root, cfg) != build_key(root, TINY)
     demos = [json.loads(x) for x in (tmp_path / "pol" / "demos.jsonl").read_text().splitlines()]
     train_terminal = [d for d in demos if d["kind"] == "terminal" and not d["task_id"].startswith("aug-")]
-    assert train_terminal and pol["sequences"] == {"teacher": len(demos), "student": len(demos) - len(train_terminal)}
+    repair = [d for d in demos if d["kind"] == "repair"]
+    solved = [d for d in demos if d["reward"] == 1.0]
+    solved_repair = [d for d in solved if d["kind"] == "repair"]
+    assert train_terminal and repair and len(solved_repair) < len(repair)  # some failed attempts to leave out
+    assert pol["sequences_per_epoch"] == {"teacher": len(solved) + 2 * len(solved_repair),
+                                          "student": len(demos) - len(train_terminal) + len(repair)}
     s, tok = load_policy(tmp_path / "pol" / "student")
     te, tok_t = load_policy(tmp_path / "pol" / "teacher")
     assert tok.get_vocab() == tok_t.get_vocab()  # OPD needs one tokenizer
@@ -138,10 +145,8 @@ def test_tiny_copy_recipe_build(root, tmp_path):
         ref_s = CopyTrainer(model, rtok, cfg.copy, 0)
         ref_s.pretrain()
         ref_t = ref_s.fork()
-        repair = [d for d in demos if d["kind"] == "repair"]
-        assert repair
-        ref_s.sft([d for d in demos if d not in train_terminal] + repair, 1)
-        ref_t.sft(demos + repair, 2)  # repair_repeat=2: every repair demo twice per epoch
+        ref_s.sft([d for d in demos if d not in train_terminal] + repair, 1)  # repair_repeat=2: twice per epoch
+        ref_t.sft(solved + solved_repair * 2, 2)  # teacher: solved demos only, the repair ones 3 times
     finally:
         torch.set_num_threads(threads)
     for built, ref in ((s, ref_s.model), (te, ref_t.model)):
@@ -150,13 +155,19 @@ def test_tiny_copy_recipe_build(root, tmp_path):
 
 
 def test_default_config_keeps_the_shipped_build_key():
-    """The shipped policy was built from the default config before recipes existed: its recorded config
-    is what the key hashes today, so `tsrl prepare-data embedded` keeps it instead of retraining."""
+    """The shipped policy was built from the default preset: the config it recorded is what the key hashes
+    today, so `tsrl prepare-data embedded` keeps it instead of retraining (about an hour here). The two_stage
+    config keeps the key it had before the recipes' fields existed."""
     from pathlib import Path
 
-    from tsrl_cli.embedded.policy_build import COPY_RECIPE, COPY_REPAIR_RECIPE, key_config
+    from tsrl_cli.embedded.policy_build import COPY_RECIPE, COPY_REPAIR_RECIPE, DEFAULT_PRESET, PRESETS, key_config
 
     shipped = json.loads((Path(__file__).parents[2] / "data" / "embedded_policy" / "build.json").read_text())
-    assert key_config(PolicyBuildConfig()) == shipped["config"]
+    assert key_config(PRESETS[DEFAULT_PRESET]) == shipped["config"]
+    assert shipped["config"]["recipe"] == "copy" and shipped["config"]["teacher_solved_only"]
     assert key_config(COPY_RECIPE)["recipe"] == "copy" and "repair_repeat" not in key_config(COPY_RECIPE)["copy"]
     assert key_config(COPY_REPAIR_RECIPE)["copy"]["repair_repeat"] == 4
+    assert "teacher_solved_only" not in key_config(COPY_RECIPE) and key_config(COPY_REPAIR_RECIPE)["teacher_solved_only"]
+    # the two_stage config as its build recorded it (shipped in data/embedded_policy/ until session 9)
+    old = json.loads((Path(__file__).parent / "two_stage_build_config.json").read_text())
+    assert key_config(PolicyBuildConfig()) == old["config"]

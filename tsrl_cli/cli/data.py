@@ -44,7 +44,7 @@ def prepare_data(
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
     policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also train the default student and teacher policies (SFT; several minutes on 2 cores; kept when already built from the same data).")] = True,
     rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
-    policy_recipe: Annotated[str, typer.Option(help="embedded: two_stage (the shipped default: SFT only, recalls its training tasks), copy (copy curriculum, 2 layers: copies names from the instruction and reaches held-out terminal tasks, no repair) or copy_repair (copy with the repair demonstrations 4x: learns repair too; see the README).")] = "two_stage",
+    policy_recipe: Annotated[str, typer.Option(help="embedded: copy_repair (the shipped default: copy curriculum, 2 layers, repair demonstrations 4x; copies names from the instruction, so it reaches held-out terminal tasks), copy (the same without repeated repair: no repair) or two_stage (the earlier default, 4 layers: recalls its training tasks, 0 % held out). See the README.")] = "copy_repair",
     policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -75,7 +75,7 @@ def prepare_data(
 
 
 def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False,
-                      recipe: str = "two_stage", policy_out: str | None = None) -> None:
+                      recipe: str = "copy_repair", policy_out: str | None = None) -> None:
     """Build the shipped suite and prepare its four datasets (see tsrl_cli/embedded/prepare.py)."""
     from tsrl_cli.console import console, progress_printer
     from tsrl_cli.embedded.policy_build import PRESETS

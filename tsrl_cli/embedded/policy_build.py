@@ -7,15 +7,17 @@ Data (all demonstrations run in real sandboxes of real tasks, with their true fi
     extensions that appear in no split), for SFT only: they teach the model to copy names out of
     the instruction instead of recalling the training tasks' names (a 15-epoch model trained on the
     training tasks alone scored 59 % on them and 0 % on held-out tasks, results/LOG.md).
-Two recipes (`PolicyBuildConfig.recipe`):
+Two recipes (`PolicyBuildConfig.recipe`); the default build is the preset copy_repair (DEFAULT_PRESET):
   two_stage  SFT stage 1 on every demo, stage 2 on the training tasks' demos; the student is stage
              2's snapshot after `student_epochs`, the teacher its final weights ("trained longer" in
-             issue 4). 4 layers. Recalls its training tasks: 0 % on held-out tasks.
+             issue 4). 4 layers. Recalls its training tasks: 0 % on held-out tasks. The default until
+             session 9 (the PolicyBuildConfig defaults).
   copy       the copy curriculum (copy_curriculum.py: word-stable tokenizer, induction drill, family
              first moves, then SFT with copying mixed in), 2 layers. From one phase-B state, two
              phase-C branches: the student sees no demonstration of a terminal training task (so RL
              on that split trains on instances it was never shown solved) for `student_epochs`; the
-             teacher sees every demonstration for `teacher_epochs`; the teacher's branch runs in a
+             teacher sees every demonstration (or only the solved ones, `teacher_solved_only`, with its
+             own repair repeat) for `teacher_epochs`; the teacher's branch runs in a
              second process (bit-identical to running it after the student's, tested). Copies names:
              about 35 % on held-out terminal tasks at T=1 (results/LOG.md, 2026-12-01); 0 % on repair.
              `COPY_RECIPE` is its config.
@@ -63,10 +65,22 @@ class PolicyBuildConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)  # its `epochs` and `lr` are set per stage
     demos: DemoConfig = field(default_factory=lambda: DemoConfig(concurrency=6))
     copy: CopyCurriculum = field(default_factory=CopyCurriculum)  # the copy recipe's phases (stage* unused)
+    # copy recipe, teacher branch only: repair demonstrations per epoch (0: copy.repair_repeat, as the student)
+    teacher_repair_repeat: int = 0
+    # copy recipe, teacher branch only: teach only the demonstrations that end solved (reward 1), not the
+    # wrong / no-fix attempts the student sees, so that the teacher samples fewer failures
+    teacher_solved_only: bool = False
 
     def __post_init__(self):
         if self.recipe not in RECIPES:
             raise ValueError(f"policy recipe {self.recipe!r}: use one of {', '.join(RECIPES)}")
+        if self.teacher_repair_repeat < 0:
+            raise ValueError(f"teacher_repair_repeat {self.teacher_repair_repeat}: use 0 (as the student) or more")
+
+    def teacher_demos(self, demos: list[dict]) -> list[dict]:
+        """The copy recipe teacher's phase-C epoch: every (or every solved) demonstration, repair ones repeated."""
+        kept = [d for d in demos if d["reward"] == 1.0] if self.teacher_solved_only else demos
+        return repeat_repair(kept, self.teacher_repair_repeat or self.copy.repair_repeat)
 
 
 RECIPES = ("two_stage", "copy")  # how a build trains (PolicyBuildConfig.recipe); PRESETS name whole configs
@@ -75,10 +89,16 @@ RECIPES = ("two_stage", "copy")  # how a build trains (PolicyBuildConfig.recipe)
 COPY_RECIPE = PolicyBuildConfig(recipe="copy", student_epochs=1, teacher_epochs=2, sft=SFTConfig(layers=2))
 # the copy recipe with every repair demonstration 4 times per phase-C epoch, so the repair training tasks
 # are learned too (results/LOG.md 2026-12-01 session 8: 0 % repair after 4 passes, 10 % after 8, 32 % after 12)
+# (student); its teacher is taught only the solved demonstrations, the repair ones 8x per epoch (24 passes),
+# since the session-8 teacher, taught like the student, was only about 1.25x the student's success
 COPY_REPAIR_RECIPE = PolicyBuildConfig(recipe="copy", student_epochs=3, teacher_epochs=3,
-                                       sft=SFTConfig(layers=2), copy=CopyCurriculum(repair_repeat=4))
+                                       sft=SFTConfig(layers=2), copy=CopyCurriculum(repair_repeat=4),
+                                       teacher_repair_repeat=8, teacher_solved_only=True)
 # `tsrl prepare-data embedded --policy-recipe NAME`
 PRESETS = {"two_stage": PolicyBuildConfig(), "copy": COPY_RECIPE, "copy_repair": COPY_REPAIR_RECIPE}
+# what `tsrl prepare-data embedded` builds and ships in data/embedded_policy/ (the dataclass defaults above
+# are the earlier two_stage default, kept as they were so that its build key does not change)
+DEFAULT_PRESET = "copy_repair"
 
 
 def pseudo_words(rng: random.Random, n: int) -> list[str]:
@@ -122,7 +142,7 @@ def _save_bf16(model, tokenizer, out: Path, info: dict) -> None:
     tmp.rename(out)
 
 
-def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = PolicyBuildConfig(),
+def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = COPY_REPAIR_RECIPE,
                  progress: Callable[[str], None] = lambda m: None, out_dir: str | Path | None = None,
                  on_epoch: Callable[[int, object, object], None] | None = None) -> dict:
     """Build data_root/embedded_policy/{student,teacher}; returns the build record (also build.json).
@@ -222,7 +242,9 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
             # aug-* are made-up-name instances in no split; the terminal training split stays unseen by the student
             unseen = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
             info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
-                    "sequences": {"student": len(unseen), "teacher": len(demos)}, "config": key_config(cfg),
+                    "sequences_per_epoch": {"student": len(repeat_repair(unseen, cfg.copy.repair_repeat)),
+                                            "teacher": len(cfg.teacher_demos(demos))},
+                    "config": key_config(cfg),
                     "demo_stats": stats}
             tok.save_pretrained(str(stage / "tokenizer"))
             torch.save(student.state(), stage / "phase_b.pt")
@@ -278,7 +300,7 @@ def _teacher_branch(stage: str, demos: list[dict], cfg: PolicyBuildConfig, dest:
     teacher = CopyTrainer(_new_model(tok, cfg), tok, cfg.copy, cfg.seed)
     teacher.load_state(torch.load(Path(stage) / "phase_b.pt", weights_only=False))
     losses: dict[str, list] = {}
-    teacher.sft(repeat_repair(demos, cfg.copy.repair_repeat), cfg.teacher_epochs,
+    teacher.sft(cfg.teacher_demos(demos), cfg.teacher_epochs,
                 log=_copy_log("teacher ", losses, lambda m: None), max_len=cfg.sft.max_len)
     _save_bf16(teacher.model, tok, dest, {**info, "role": "teacher", "sft_epochs": cfg.teacher_epochs,
                                           "logged_loss": losses})
@@ -334,6 +356,9 @@ def key_config(cfg: PolicyBuildConfig) -> dict:
     policy (data/embedded_policy/build.json) stays valid instead of being retrained; a copy config
     without repeated repair demos leaves out `copy.repair_repeat` for the same reason."""
     d = _jsonable(cfg)
+    for k in ("teacher_repair_repeat", "teacher_solved_only"):  # added later: at their defaults, old keys hold
+        if d[k] == getattr(PolicyBuildConfig, k):
+            d.pop(k)
     if cfg.recipe == "two_stage":
         d.pop("recipe")
         d.pop("copy")

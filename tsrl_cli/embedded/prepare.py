@@ -75,9 +75,9 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
 def _policy(root: Path, seed: int, cfg, rebuild: bool, progress, out_dir=None) -> dict:
     from dataclasses import replace
 
-    from tsrl_cli.embedded.policy_build import POLICY_DIR, TRAIN_SETS, PolicyBuildConfig, build_key, build_policy
+    from tsrl_cli.embedded.policy_build import DEFAULT_PRESET, POLICY_DIR, PRESETS, TRAIN_SETS, build_key, build_policy
 
-    cfg = replace(cfg or PolicyBuildConfig(), seed=seed)
+    cfg = replace(cfg or PRESETS[DEFAULT_PRESET], seed=seed)
     key = build_key(root, cfg)
     out = Path(out_dir) if out_dir is not None else root / POLICY_DIR
     try:
