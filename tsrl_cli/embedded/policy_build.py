@@ -142,7 +142,7 @@ def _save_bf16(model, tokenizer, out: Path, info: dict) -> None:
     tmp.rename(out)
 
 
-def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = COPY_REPAIR_RECIPE,
+def build_policy(data_root: str | Path = "data", cfg: PolicyBuildConfig = PRESETS[DEFAULT_PRESET],
                  progress: Callable[[str], None] = lambda m: None, out_dir: str | Path | None = None,
                  on_epoch: Callable[[int, object, object], None] | None = None) -> dict:
     """Build data_root/embedded_policy/{student,teacher}; returns the build record (also build.json).
@@ -241,8 +241,9 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
             student.pretrain(_copy_log("", losses, progress))
             # aug-* are made-up-name instances in no split; the terminal training split stays unseen by the student
             unseen = [d for d in demos if d["kind"] != "terminal" or d["task_id"].startswith("aug-")]
+            student_epoch = repeat_repair(unseen, cfg.copy.repair_repeat)
             info = {"recipe": "copy", "params": num_params(model), "vocab": len(tok),
-                    "sequences_per_epoch": {"student": len(repeat_repair(unseen, cfg.copy.repair_repeat)),
+                    "sequences_per_epoch": {"student": len(student_epoch),
                                             "teacher": len(cfg.teacher_demos(demos))},
                     "config": key_config(cfg),
                     "demo_stats": stats}
@@ -253,7 +254,7 @@ def _build_copy(demos: list[dict], root: Path, out: Path, cfg: PolicyBuildConfig
                                args=(str(stage), demos, cfg, out / "teacher", info))
             proc.start()
             progress("teacher branch started in a second process")
-            student.sft(repeat_repair(unseen, cfg.copy.repair_repeat), cfg.student_epochs,
+            student.sft(student_epoch, cfg.student_epochs,
                         log=_copy_log("student ", losses, progress), max_len=cfg.sft.max_len)
             _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs,
                                                             "logged_loss": losses})
