@@ -34,6 +34,7 @@ def probe(
     limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed (per request seeds derive from it).")] = 0,
+    records: Annotated[str | None, typer.Option(help="JSON-lines file of per-trajectory records, appended as each trajectory ends; run again with the same file to resume an interrupted probe (the full embedded probe is hours on 2 cores).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
 ) -> None:
     """Print success rate, reward variance per group, turns, tokens, tool time and duration spread."""
@@ -49,14 +50,34 @@ def probe(
                     else "pass a directory written by save_pretrained (e.g. a tsrl train checkpoint)")
             raise UsageError(f"--model {model}: not a policy directory (no config.json); {hint}")
         tasks = expand_task_sets(tasks or ["embedded-train"])
+        from dataclasses import asdict
+
+        from tsrl_cli.agent.loop import AgentLimits
         from tsrl_cli.embedded.demos import dataset_tasks
-        from tsrl_cli.embedded.sft import load_policy, probe_policy
+        from tsrl_cli.embedded.sft import ProbeRecords, load_policy, policy_weights_sha256, probe_policy
 
         pairs = [p for name in tasks for p in dataset_tasks(name, limit)]
+        limits = AgentLimits()
+        log = None
+        if records is not None:
+            log = ProbeRecords(records, {"model_sha256": policy_weights_sha256(model), "samples": samples,
+                                         "temperature": temperature, "seed": seed, "limits": asdict(limits)})
+            try:
+                log.load()
+            except ValueError as e:
+                raise UsageError(f"--records {e}") from None
+            if log.prior and not json_out:
+                err_console.print(f"[dim]· resuming: {len(log.prior)} trajectories already in {records}"
+                                  + (" (a torn last line was dropped)" if log.dropped else "") + "[/dim]", highlight=False)
         m, tok = load_policy(model)
         show = progress_printer(not json_out)
-        res = probe_policy(m, tok, pairs, samples=samples, temperature=temperature, seed=seed,
-                           progress=lambda done, total: show(f"trajectories {done}/{total}"))
+        try:
+            res = probe_policy(m, tok, pairs, samples=samples, temperature=temperature, seed=seed, limits=limits,
+                               progress=lambda done, total: show(f"trajectories {done}/{total}"),
+                               prior=log.prior if log else None, on_result=log.append if log else None)
+        finally:
+            if log is not None:
+                log.close()
     except UsageError as e:
         err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -208,8 +208,13 @@ def sft_from_demos(demos: list[dict], tokenizer, cfg: SFTConfig = SFTConfig(), o
 
 def probe_policy(model, tokenizer, tasks: list[tuple[Path, object]], *, samples: int = 4, temperature: float = 1.0,
                  seed: int = 0, limits=None, concurrency: int = 16, max_batch: int = 16,
-                 progress: Callable[[int, int], None] | None = None, executor: str = "local") -> dict:
-    """Sample each task `samples` times through run_agent; success rate, group variance, turns, tokens, time."""
+                 progress: Callable[[int, int], None] | None = None, executor: str = "local",
+                 prior: list[dict] | None = None, on_result: Callable[[dict], None] | None = None) -> dict:
+    """Sample each task `samples` times through run_agent; success rate, group variance, turns, tokens, time.
+
+    `prior`: records of an earlier, interrupted probe (ProbeRecords.load); a (task_id, sample) found there is
+    not sampled again. Requests are seeded per (task, sample), so a resumed probe samples the same tokens as an
+    uninterrupted one. `on_result(record)` is called as each trajectory finishes (to append it to a file)."""
     from tsrl_cli.agent.loop import AgentLimits, run_agent
     from tsrl_cli.agent.renderer import ChatMLRenderer
     from tsrl_cli.engines.base import SamplingParams, TurnBatcher
@@ -221,9 +226,10 @@ def probe_policy(model, tokenizer, tasks: list[tuple[Path, object]], *, samples:
     engine = HFEngine(model.eval(), pad_id=tokenizer.pad_token_id)
     batcher = TurnBatcher(engine, max_batch=max_batch)
     sampling = SamplingParams(temperature=temperature, seed=seed)
+    have = {(r["task_id"], r["sample"]): r for r in prior or []}
     jobs = [(d, t, k) for d, t in tasks for k in range(samples)]
-    results: list[dict | None] = [None] * len(jobs)
-    done = 0
+    results: list[dict | None] = [have.get((t.task_id, k)) for _, t, k in jobs]
+    done = sum(r is not None for r in results)
 
     async def one(j, d, t, k, sem):
         nonlocal done
@@ -242,21 +248,99 @@ def probe_policy(model, tokenizer, tasks: list[tuple[Path, object]], *, samples:
                           "loss_tokens": sum(res.rollout.loss_mask), "exit_reason": res.exit_reason,
                           "tool_s": tool_s, "seconds": time.perf_counter() - t0,
                           "text": tokenizer.decode(res.rollout.input_ids)}
+        if on_result is not None:  # without the decoded text: 3,200 of them would be tens of MB
+            on_result({k: v for k, v in results[j].items() if k != "text"})
         done += 1
         if progress is not None:
             progress(done, len(jobs))
 
     async def main():
         sem = asyncio.Semaphore(concurrency)
-        await asyncio.gather(*(one(j, *job, sem) for j, job in enumerate(jobs)))
+        await asyncio.gather(*(one(j, *job, sem) for j, job in enumerate(jobs) if results[j] is None))
 
+    if progress is not None and done:
+        progress(done, len(jobs))
     t0 = time.perf_counter()
     try:
         asyncio.run(main())
     finally:
         batcher.close()
     wall = time.perf_counter() - t0
-    return summarize_probe(results, wall)
+    out = summarize_probe(results, wall)
+    out["resumed_trajectories"] = sum((t.task_id, k) in have for _, t, k in jobs)  # read from `prior`, not sampled
+    return out
+
+
+class ProbeRecords:
+    """A probe's per-trajectory records as JSON lines, appended as each trajectory ends, so that an interrupted
+    probe (Ctrl-C, a lost machine: the full embedded probe is hours on 2 cores) resumes where it stopped.
+
+    Line 1 is a header naming what was probed (model weights' sha256, samples, temperature, seed, limits);
+    resuming with a different header is an error. A torn last line (killed mid-write) is dropped: the file is
+    rewritten without it through a temp file and a rename before anything is appended."""
+
+    VERSION = 1
+
+    def __init__(self, path: str | Path, header: dict):
+        self.path, self.header = Path(path), {"tsrl_probe_records": self.VERSION, **header}
+        self.prior: list[dict] = []
+        self.dropped = 0
+        self._fh = None
+
+    def load(self) -> list[dict]:
+        """Read the records already there (none for a new file); raise ValueError on a different header."""
+        if not self.path.exists():
+            return []
+        lines = self.path.read_text().splitlines()
+        rows = []
+        for n, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if n < len(lines):
+                    raise ValueError(f"{self.path}:{n}: not a JSON line; move the file away to start afresh") from None
+                self.dropped = 1  # a torn last line
+        if rows and rows[0] != self.header:  # checked first: another probe's file is left as it is
+            head = rows[0]
+            diff = sorted(k for k in set(head) | set(self.header) if head.get(k) != self.header.get(k))
+            raise ValueError(f"{self.path}: records of a different probe ({', '.join(diff)} differ); "
+                             "pass another --records file or delete this one")
+        if self.dropped:  # rewrite without the torn line before anything is appended after it
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.replace(self.path)
+        self.prior = rows[1:]
+        return self.prior
+
+    def append(self, record: dict) -> None:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.exists() or self.path.stat().st_size == 0
+            self._fh = self.path.open("a")
+            if fresh:
+                self._fh.write(json.dumps(self.header) + "\n")
+        self._fh.write(json.dumps(record, default=str) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def policy_weights_sha256(model_dir: str | Path) -> str:
+    """sha256 over a policy directory's config.json and weight files (names and bytes), to tell probes apart."""
+    import hashlib
+
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    for f in [d / "config.json", *sorted(d.glob("*.safetensors")), *sorted(d.glob("*.bin"))]:
+        if f.is_file():
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
 
 
 def _pct(xs, q):
