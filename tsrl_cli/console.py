@@ -35,7 +35,14 @@ class _BarPrinter:
         self._tasks: dict[str, int] = {}
 
     def __call__(self, msg: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         m = _FRACTION.search(msg)
         if m is None or int(m.group(2)) == 0:
@@ -45,7 +52,7 @@ class _BarPrinter:
         key = _FRACTION.sub("#", re.sub(r"\(\d+ s\)", "", msg))
         if self._progress is None:
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=err_console, transient=False)
+                                      TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
             self._progress.start()
         if key not in self._tasks:
             self._tasks[key] = self._progress.add_task(key.replace("#", "").strip(), total=total)

@@ -70,7 +70,7 @@ def test_probe_records_resume_equals_an_uninterrupted_probe(setup, tmp_path, mon
     assert res.exit_code == 0, res.output
     resumed = json.loads(res.stdout)
     assert len(started) == 3 and resumed["resumed_trajectories"] == 1
-    by = lambda rs: sorted((_key(r) for r in rs), key=lambda r: (r["task_id"], r["sample"]))  # noqa: E731
+    by = lambda rs: sorted((_key(r) for r in rs), key=lambda r: (r["task_id"], r["sample"]))
     assert by(resumed["results"]) == by(whole["results"])
     assert {k: resumed["all"][k] for k in ("success_rate", "groups_nonzero_var", "mean_tokens", "mean_turns")} == \
         {k: whole["all"][k] for k in ("success_rate", "groups_nonzero_var", "mean_tokens", "mean_turns")}
