@@ -229,7 +229,7 @@ def probe_policy(model, tokenizer, tasks: list[tuple[Path, object]], *, samples:
     have = {(r["task_id"], r["sample"]): r for r in prior or []}
     jobs = [(d, t, k) for d, t in tasks for k in range(samples)]
     results: list[dict | None] = [have.get((t.task_id, k)) for _, t, k in jobs]
-    done = sum(r is not None for r in results)
+    done = resumed = sum(r is not None for r in results)  # `resumed`: read from `prior`, not sampled
 
     async def one(j, d, t, k, sem):
         nonlocal done
@@ -267,7 +267,7 @@ def probe_policy(model, tokenizer, tasks: list[tuple[Path, object]], *, samples:
         batcher.close()
     wall = time.perf_counter() - t0
     out = summarize_probe(results, wall)
-    out["resumed_trajectories"] = sum((t.task_id, k) in have for _, t, k in jobs)  # read from `prior`, not sampled
+    out["resumed_trajectories"] = resumed
     return out
 
 
@@ -329,18 +329,14 @@ class ProbeRecords:
 
 
 def policy_weights_sha256(model_dir: str | Path) -> str:
-    """sha256 over a policy directory's config.json and weight files (names and bytes), to tell probes apart."""
+    """sha256 over a policy directory's config.json and weight files (names and their sha256), to tell probes apart."""
     import hashlib
 
+    from tsrl_cli.datasets.records import file_sha256
+
     d = Path(model_dir)
-    h = hashlib.sha256()
-    for f in [d / "config.json", *sorted(d.glob("*.safetensors")), *sorted(d.glob("*.bin"))]:
-        if f.is_file():
-            h.update(f.name.encode() + b"\0")
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()
+    files = [d / "config.json", *sorted(d.glob("*.safetensors")), *sorted(d.glob("*.bin"))]
+    return hashlib.sha256("".join(f"{f.name} {file_sha256(f)}\n" for f in files if f.is_file()).encode()).hexdigest()
 
 
 def _pct(xs, q):
