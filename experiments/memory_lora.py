@@ -1,4 +1,4 @@
-"""Stream's extra memory over sync, full fine-tuning against LoRA (issue 5 target: < 1 % with LoRA).
+"""Stream's extra memory over sync, full fine-tuning against LoRA (target: < 1 % with LoRA).
 
 One round of GRPO gradients on synthetic agent rollouts, computed lazily (sync: one padded batch)
 and streamed (stream: one backward per trajectory, arrival order shuffled), on a Qwen3 model built
@@ -89,9 +89,10 @@ def peak(device):
 
 
 def one_mode(args, lora_rank: int) -> dict:
+    from tsrl_cli.config import LossConfig
     from tsrl_cli.core.accumulator import RoundGradAccumulator
-    from tsrl_cli.learner import Objective, StreamLearner, lazy_loss
-    from tsrl_cli.rl.placement import param_bytes, wrap_lora
+    from tsrl_cli.policy import param_bytes, wrap_lora
+    from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[args.dtype]
     model = build(args.preset, dtype, args.device)
@@ -113,7 +114,7 @@ def one_mode(args, lora_rank: int) -> dict:
         out["computed_from_shapes"] = True
         return out
     ro = rollouts(PRESETS[args.preset]["vocab_size"], args.groups, args.group_size, args.length, seed=1)
-    obj = Objective(adv_norm=args.adv_norm)
+    obj = Objective("grpo", LossConfig(adv_norm=args.adv_norm, max_open_groups=args.max_open_groups))
 
     # sync: the lazy padded batch, in micro-batches of --micro trajectories (gradient accumulation of
     # the same scalar loss: each micro-batch's loss is scaled by its share of the round's tokens)
@@ -134,7 +135,7 @@ def one_mode(args, lora_rank: int) -> dict:
 
     peak_reset(args.device)
     t0 = time.perf_counter()
-    sl = StreamLearner(model, obj, Counter(r.group_id for r in ro), max_open_groups=args.max_open_groups)
+    sl = StreamLearner(model, obj, Counter(r.group_id for r in ro))
     order = list(ro)
     random.Random(0).shuffle(order)
     for r in order:

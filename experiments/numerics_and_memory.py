@@ -21,9 +21,10 @@ from collections import Counter
 
 import torch
 
+from tsrl_cli.config import LossConfig
 from tsrl_cli.core.accumulator import RoundGradAccumulator
-from tsrl_cli.learner import Objective, StreamLearner
-from tsrl_cli.models import build_tiny_model
+from tsrl_cli.policy import build_tiny_model
+from tsrl_cli.rl.learner import Objective, StreamLearner
 from tsrl_cli.verify import compare, lazy_and_stream, random_rollouts
 
 
@@ -65,7 +66,7 @@ def memory_and_cost():
     ro = random_rollouts(128, 8, 8, 0)
     rows = []
     for order, cap in (("given", None), ("random", None), ("random", 4), ("random", 1), ("random", 0)):
-        pair = lazy_and_stream(model, ro, Objective(), order=order, seed=0, max_open_groups=cap)
+        pair = lazy_and_stream(model, ro, Objective("grpo", LossConfig(max_open_groups=cap)), order=order, seed=0)
         acc = pair.learner.acc
         rows.append(dict(order=order, max_open_groups=cap, peak_sets=acc.peak_open_bytes / acc.param_bytes,
                          peak_mib=acc.peak_open_bytes / 2**20, stream_over_lazy_time=pair.time_stream_s / pair.time_lazy_s))

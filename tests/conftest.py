@@ -1,5 +1,7 @@
 """Shared fixtures: tiny models built locally from a config (no hub), one torch thread."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -8,16 +10,34 @@ torch.set_num_threads(1)  # measured here: extra OpenMP threads beside a busy pr
 
 @pytest.fixture(scope="session")
 def tiny64():
-    from tsrl_cli.models import build_tiny_model
+    from tsrl_cli.policy import build_tiny_model
 
     return build_tiny_model(seed=0, dtype=torch.float64)
 
 
 @pytest.fixture(scope="session")
 def teacher64():
-    from tsrl_cli.models import build_tiny_model
+    from tsrl_cli.policy import build_tiny_model
 
     return build_tiny_model(seed=1000, dtype=torch.float64)
+
+
+# a ChatML tokenizer for agent-loop, environment and engine tests (folders with their own `tok` override it)
+CORPUS = [
+    "THOUGHT: look at the files\n```bash\nls -la\n```",
+    "THOUGHT: fix the bug\n```bash\nsed -i 's/a - b/a + b/' calc.py\n```",
+    "```bash\nsubmit\n```",
+    "def add(a, b):\n    return a + b\n",
+    "[exit code 0]\ncalc.py\ntest_calc.py\n",
+    "You are an agent working in a shell. Each reply: a short THOUGHT, then exactly one bash block.",
+]
+
+
+@pytest.fixture(scope="session")
+def tok():
+    from tsrl_cli.tokenizer import train_chatml_tokenizer
+
+    return train_chatml_tokenizer(CORPUS * 10, vocab_size=320)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +54,9 @@ def prepare_fixture():
         return out
 
     return run
+
+
+@pytest.fixture
+def fixtures() -> Path:
+    """tests/fixtures: small inputs in each source's real format, no hub access."""
+    return Path(__file__).resolve().parent / "fixtures"

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from tsrl_cli.devices import one_device
 from tsrl_cli.errors import UsageError
 
 OBJECTIVES = ("grpo", "opd")
@@ -69,16 +72,26 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    loss_agg: str = "token-mean"  # see tsrl verify --help
-    adv_norm: str = "group"  # group | center (Dr. GRPO)
-    kl_coef: float = 0.0  # KL to the initial policy; 0 = off
-    kl_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    opd_form: str = "pg"  # pg | k3
+    """The round's loss: the one definition of its settings, for `tsrl train` (loss.*) and `tsrl verify`
+    (its flags). rl.learner.Objective checks the values (docs/streaming.md, "Semantics" and "Scope")."""
+
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm | token-sum (verl agg_loss)
+    loss_agg: str = "token-mean"
+    adv_norm: str = "group"  # GRPO advantage: group (r - mean) / (std + adv_eps) | center (Dr. GRPO: r - mean)
+    adv_eps: float = 1e-6  # verl's GRPO epsilon (core.advantages.GRPO_EPS)
+    kl_coef: float = 0.0  # KL-to-reference loss coefficient (verl kl_loss_coef); 0 = off
+    kl_type: str = "low_var_kl"  # k1 | k2 | k3 (= low_var_kl) | abs
+    entropy_coef: float = 0.0  # entropy bonus (verl entropy_coeff): loss -= coef * agg(H)
+    opd_form: str = "pg"  # OPD: pg (advantage -(logp_s - logp_t), tinker/SkyRL) | k3 (direct loss, verl)
     opd_coef: float = 1.0
-    norm_constant: float | None = None  # seq-mean-token-sum-norm constant
-    global_batch_size: int | None = None  # seq-mean-* denominator (None: non-empty sequences)
-    max_open_groups: int | None = None  # stream: cap on groups holding buffers at once
+    norm_constant: float | None = None  # C of seq-mean-token-sum-norm (required there)
+    global_batch_size: int | None = None  # B of the seq-mean-* modes (None: the round's non-empty sequences)
+    max_open_groups: int | None = None  # stream: cap on groups holding buffers at once (later ones: at close)
+    # Outside the scope where streaming is exact: any value but these defaults is refused (ScopeError)
+    ppo_epochs: int = 1  # later epochs see moved weights (ratio != 1)
+    mini_batches_per_round: int = 1  # several optimizer steps per round
+    old_logprobs: str = "recompute"  # recompute (ratio exactly 1) | behavior (stale, ratio != 1)
+    adv_batch_whiten: bool = False  # a round-level advantage statistic
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """LoRA through PEFT (tsrl_cli/rl/placement.py); rank 0 = full fine-tuning."""
+    """LoRA through PEFT (tsrl_cli/policy.py); rank 0 = full fine-tuning."""
 
     rank: int = 0  # adapter rank r; > 0 freezes the base and trains adapters only
     alpha: float = 16.0  # scaling alpha / r (PEFT lora_alpha)
@@ -253,8 +266,6 @@ def _merge(obj, overrides: dict, prefix: str = ""):
 
 def parse_set(item: str) -> dict:
     """'a.b=c' -> {'a': {'b': <c parsed as YAML>}}; the value is a YAML scalar or list."""
-    import yaml
-
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value (e.g. --set rollout.group_size=4)")
     key, raw = item.split("=", 1)
@@ -280,8 +291,6 @@ def _nested(key: str, value: Any) -> dict:
 
 
 def read_yaml(path: str | Path) -> dict:
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: experiment file not found")
@@ -368,8 +377,6 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
                           f"rank {cfg.lora.rank}, alpha {cfg.lora.alpha}")
     if cfg.lora.rank and not cfg.lora.targets:
         raise ConfigError("config key lora.targets: name at least one module (e.g. q_proj) when lora.rank > 0")
-    from tsrl_cli.rl.placement import one_device
-
     for side in ("rollout", "learner", "teacher"):
         spec = getattr(cfg.devices, side)
         if spec is not None:
@@ -396,8 +403,6 @@ def config_to_dict(cfg) -> dict:
 
 
 def dump_config(cfg: TrainConfig) -> str:
-    import yaml
-
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
 
 

@@ -6,9 +6,16 @@ Progress is shown only on a TTY and never in --json mode, so `--json` output is 
 from __future__ import annotations
 
 import re
-import sys
 
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 console = Console()
 err_console = Console(stderr=True)
@@ -35,15 +42,6 @@ class _BarPrinter:
         self._tasks: dict[str, int] = {}
 
     def __call__(self, msg: str) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
         m = _FRACTION.search(msg)
         if m is None or int(m.group(2)) == 0:
             (self._progress.console if self._progress else err_console).print(f"[dim]· {msg}[/dim]", highlight=False)
@@ -62,7 +60,3 @@ class _BarPrinter:
         if all(t.finished for t in self._progress.tasks):
             self._progress.stop()
             self._progress, self._tasks = None, {}
-
-
-def stderr_is_tty() -> bool:
-    return sys.stderr.isatty()

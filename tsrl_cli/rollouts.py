@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
+from tsrl_cli.files import write_jsonl_atomic
 
 _OPTIONAL_FLOATS = ("teacher_logprobs", "behavior_logprobs", "ref_logprobs")
 
@@ -143,9 +144,4 @@ def read_rollouts(path: str | Path) -> list[Rollout]:
 
 def write_rollouts(rollouts: list[Rollout], path: str | Path) -> None:
     """Write JSONL through a temp file and a rename, so a crash never leaves half a file."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in rollouts:
-            f.write(json.dumps(r.to_json()) + "\n")
-    tmp.replace(p)
+    write_jsonl_atomic(path, [r.to_json() for r in rollouts])

@@ -5,8 +5,8 @@ through the same `train` as `tsrl train`. A sweep resumes where it stopped.
     outcomes = run_sweep(plan, progress=print)
 
 Every run of an experiment is that experiment's config with only `schedule`, `seed` and `run.out`
-changed: same workload, same device split, same seed list in every row (PAPER.md, "Measurement
-discipline"). Run directories are `<out>/<experiment name>/<schedule>/seed<k>/`, which is where
+changed: same workload, same device split, same seed list in every row (the ThunderSyncRL report's
+measurement discipline). Run directories are `<out>/<experiment name>/<schedule>/seed<k>/`, which is where
 `tsrl train` writes and what `tsrl report` reads.
 
 Order: experiment, then seed, then schedule. The schedules of one seed run back to back, as in
@@ -38,12 +38,15 @@ from pathlib import Path
 
 from tsrl_cli.config import SCHEDULES, ConfigError, TrainConfig, config_diff, load_config, validate_config
 from tsrl_cli.errors import UsageError
-from tsrl_cli.rl.runlog import FILES, RunLog, write_atomic
+from tsrl_cli.files import write_json_atomic
+from tsrl_cli.report.aggregate import seed_value
+from tsrl_cli.rl.runlog import FILES, RunLog
+from tsrl_cli.rl.train import TrainError, train
 
 SWEEP_FILE = "sweep.json"
 DEFAULT_SCHEDULES = ("sync", "stream", "async")
 DEFAULT_SEEDS = (42, 43, 44)  # the paper's seed list
-DEFAULT_WARMUP = 4  # rounds 1-4 excluded from every average (PAPER.md)
+DEFAULT_WARMUP = 4  # rounds 1-4 excluded from every average (the ThunderSyncRL report)
 
 
 @dataclass(frozen=True)
@@ -184,8 +187,6 @@ def run_sweep(plan: SweepPlan, progress: Callable[[dict], None] | None = None) -
     model) stops it, since every later run would fail the same way. Progress events: `sweep_run`
     before each run (index, total, the plan row), then train's own events, then `sweep_run_end`.
     """
-    from tsrl_cli.rl.train import TrainError, train
-
     progress = progress or (lambda ev: None)
     write_sweep_file(plan)
     todo = [r for r in plan.runs if r.action != "skip"]
@@ -220,8 +221,6 @@ def _drop_rows(run_dir: Path) -> None:
 
 def _measured(r: PlannedRun, warmup: int) -> dict:
     """Rounds on disk and the mean step time after the warm-up (report.aggregate's first stage)."""
-    from tsrl_cli.report.aggregate import seed_value
-
     rows = RunLog(r.run_dir).rows("metrics.jsonl")
     step, n = seed_value({m["round"]: m.get("step_time_s") for m in rows}, warmup, max(r.cfg.rounds, 1))
     return {"rounds_on_disk": len(rows), "step_time_mean_s": step, "rounds_measured": n,
@@ -247,5 +246,5 @@ def write_sweep_file(plan: SweepPlan) -> Path:
                              "warmup": plan.warmup, "sets": list(plan.sets)}
     doc = {"warmup": plan.warmup, "experiments": experiments, "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     plan.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(doc, indent=1) + "\n")
+    write_json_atomic(path, doc)
     return path

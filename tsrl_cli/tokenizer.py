@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -21,7 +24,7 @@ CHATML_TEMPLATE = (
 # glues a leading space to a word: `window` in backticks is w|ind|ow but " window" in a command is
 # Ġw|ind|ow, and `dragon` is dra|g|on against Ġd|ra|g|on. A tiny policy then cannot copy a name it
 # never saw from the instruction into its command by induction; it must respell it (results/LOG.md,
-# issue 4). The price is about 27 % more tokens on the embedded demonstrations.
+# 2026-11-30). The price is about 27 % more tokens on the embedded demonstrations.
 WORD_STABLE_SPLIT = r"[A-Za-z]+|[0-9]+|\s+|[^\sA-Za-z0-9]+"
 
 
@@ -33,9 +36,6 @@ def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512, out_dir:
     on what precedes it). Deterministic for the same texts, vocab size and split. Saved with
     save_pretrained when out_dir is given.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     if word_stable:
         tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -7,17 +7,21 @@ joined with one scalar at close. Exit 0 when they agree within the dtype's toler
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from tsrl_cli.config import LossConfig
 from tsrl_cli.errors import UsageError
-from tsrl_cli.learner import Objective, StreamLearner, lazy_loss
-from tsrl_cli.models import BUILTIN, BUILTIN_TEACHER, DTYPES, load_model
+from tsrl_cli.files import atomic_path
+from tsrl_cli.policy import BUILTIN_TINY, BUILTIN_TINY_TEACHER, DTYPES, load_policy, score_tokens
+from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout, read_rollouts
 
 # Relative tolerance (max |lazy - stream| / max |lazy|) per dtype. float64: both sides see the
@@ -29,23 +33,16 @@ ORDERS = ("random", "given", "reverse")
 
 @dataclass
 class VerifyOptions:
-    model: str = BUILTIN
+    model: str = BUILTIN_TINY
     rollouts: str | None = None
     objective: str = "grpo"
     teacher: str | None = None
-    loss_agg: str = "token-mean"
-    adv_norm: str = "group"
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    opd_form: str = "pg"
-    norm_constant: float | None = None
+    loss: LossConfig = field(default_factory=LossConfig)  # the same settings as tsrl train's loss.*
     dtype: str = "float64"
     order: str = "random"
     seed: int = 0
     groups: int = 4
     group_size: int = 8
-    max_open_groups: int | None = None
     save_grads: str | None = None
 
 
@@ -80,26 +77,8 @@ def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int) ->
     return out
 
 
-@torch.no_grad()
-def sequence_logprobs(model, rollouts: list[Rollout]) -> list[list[float]]:
-    """Per-token log-probs of each rollout under `model` (teacher scores, reference log-probs).
-
-    Full-sequence forward: by causality this equals scoring each turn as it closes.
-    """
-    from tsrl_cli.core.losses import token_logprobs
-
-    device = next(model.parameters()).device
-    out = []
-    for r in rollouts:
-        ids = torch.tensor([r.input_ids], device=device)
-        out.append(token_logprobs(model(input_ids=ids, use_cache=False).logits, ids)[0].double().tolist())
-    return out
-
-
 def _perturbed(model, seed: int, scale: float = 0.05):
     """A reference model: the policy with seeded weight noise, so that KL and its gradient are not 0."""
-    import copy
-
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
@@ -144,11 +123,8 @@ def compare(names: list[str], lazy: list[torch.Tensor], stream: list[torch.Tenso
 
 
 def save_safetensors(path: Path, names: list[str], grads: list[torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads)}, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads)}, str(tmp))
 
 
 @dataclass
@@ -163,8 +139,7 @@ class GradPair:
     time_stream_s: float
 
 
-def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str = "random", seed: int = 0,
-                    max_open_groups: int | None = None) -> GradPair:
+def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str = "random", seed: int = 0) -> GradPair:
     """The round's gradient twice: lazily (one loss, one backward) and streamed in `order`."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
@@ -180,7 +155,7 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
     else:
         items = [(r, k) for r in rollouts for k in range(len(r.turn_spans))]
     items = arrival_order(items, order, seed)
-    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_open_groups)
+    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts))
     t0 = time.perf_counter()
     for r, k in items:
         if k is None:
@@ -197,17 +172,11 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         raise UsageError(f"--dtype {opts.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     if opts.order not in ORDERS:
         raise UsageError(f"--order {opts.order!r} is unknown; use one of {', '.join(ORDERS)}")
-    if opts.max_open_groups is not None and opts.max_open_groups < 0:
-        raise UsageError("--max-open-groups must be >= 0")
-    obj = Objective(
-        kind=opts.objective, loss_agg=opts.loss_agg, adv_norm=opts.adv_norm, kl_coef=opts.kl_coef,
-        kl_type=opts.kl_type, entropy_coef=opts.entropy_coef, opd_form=opts.opd_form,
-        norm_constant=opts.norm_constant,
-    ).validate()
+    obj = Objective(opts.objective, opts.loss)
     dtype = DTYPES[opts.dtype]
     torch.manual_seed(opts.seed)
     progress(f"loading model {opts.model} ({opts.dtype})")
-    model = load_model(opts.model, dtype, seed=opts.seed)
+    model, _ = load_policy(opts.model, dtype=dtype, seed=opts.seed, tokenizer=False)
     vocab = model.get_input_embeddings().weight.shape[0]
 
     if opts.rollouts:
@@ -223,21 +192,22 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         source = f"random (seed {opts.seed}, {opts.groups} groups x {opts.group_size})"
 
     if obj.kind == "opd" and (opts.teacher or any(r.teacher_logprobs is None for r in rollouts)):
-        spec = opts.teacher or BUILTIN_TEACHER
+        spec = opts.teacher or BUILTIN_TINY_TEACHER
         progress(f"scoring {len(rollouts)} rollouts with teacher {spec}")
-        teacher = load_model(spec, dtype, seed=opts.seed)
+        teacher, _ = load_policy(spec, dtype=dtype, seed=opts.seed, tokenizer=False)
         if teacher.get_input_embeddings().weight.shape[0] < vocab:
             raise UsageError(f"--teacher {spec}: vocabulary smaller than the student's ({vocab}); OPD needs one tokenizer")
-        for r, lp in zip(rollouts, sequence_logprobs(teacher, rollouts)):
-            r.teacher_logprobs = lp
+        for r in rollouts:  # the whole sequence at once: by causality, what per-turn scoring gives
+            r.teacher_logprobs = score_tokens(teacher, r.input_ids)
         del teacher
-    if obj.kl_coef and any(r.ref_logprobs is None for r in rollouts):
+    if obj.loss.kl_coef and any(r.ref_logprobs is None for r in rollouts):
         progress("reference log-probs from the policy with seeded weight noise (no ref_logprobs in the input)")
-        for r, lp in zip(rollouts, sequence_logprobs(_perturbed(model, opts.seed), rollouts)):
-            r.ref_logprobs = lp
+        ref = _perturbed(model, opts.seed)
+        for r in rollouts:
+            r.ref_logprobs = score_tokens(ref, r.input_ids)
 
     progress("lazy: one loss over the whole round, one backward; then stream in " + opts.order + " order")
-    g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed, opts.max_open_groups)
+    g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed)
     names, lazy, stream, learner = g.names, g.lazy, g.stream, g.learner
     loss, t_lazy, t_stream, items = g.lazy_loss, g.time_lazy_s, g.time_stream_s, g.num_items
 
@@ -248,12 +218,12 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "tolerance": tol,
         **cmp,
         "objective": obj.kind,
-        "loss_agg": obj.loss_agg,
-        "adv_norm": obj.adv_norm if obj.kind == "grpo" else None,
-        "opd_form": obj.opd_form if obj.kind == "opd" else None,
-        "kl_coef": obj.kl_coef,
-        "kl_type": obj.kl_type if obj.kl_coef else None,
-        "entropy_coef": obj.entropy_coef,
+        "loss_agg": obj.loss.loss_agg,
+        "adv_norm": obj.loss.adv_norm if obj.kind == "grpo" else None,
+        "opd_form": obj.loss.opd_form if obj.kind == "opd" else None,
+        "kl_coef": obj.loss.kl_coef,
+        "kl_type": obj.loss.kl_type if obj.loss.kl_coef else None,
+        "entropy_coef": obj.loss.entropy_coef,
         "dtype": opts.dtype,
         "order": opts.order,
         "seed": opts.seed,
@@ -268,7 +238,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "params": sum(p.numel() for p in learner.params),
         "buffer_bytes_per_set": learner.acc.param_bytes,
         "peak_open_buffer_bytes": learner.acc.peak_open_bytes,
-        "max_open_groups": opts.max_open_groups,
+        "max_open_groups": obj.loss.max_open_groups,
         "time_lazy_s": round(t_lazy, 4),
         "time_stream_s": round(t_stream, 4),
     }

@@ -36,7 +36,13 @@ def test_agg_loss_hand_example(mode, expected):
 
 
 def test_sum_norm_needs_and_uses_explicit_constant():
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=3).item() == pytest.approx(5.0)
+    """verl 0.9 agg_loss: the summed sequence losses divided by B * C (the mean over sequences, then / C).
+    Older verl releases divided by C alone (15 / 3 = 5 here); this pins the factor B."""
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=3).item() == pytest.approx(15 / (2 * 3))
+    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=3, global_batch_size=5).item() == \
+        pytest.approx(15 / (5 * 3))
+    assert round_scale("seq-mean-token-sum-norm", 5, 2, norm_constant=3) == pytest.approx(1 / 6)
+    assert round_scale("seq-mean-token-sum-norm", 5, 2, global_batch_size=5, norm_constant=3) == pytest.approx(1 / 15)
     with pytest.raises(ValueError):
         agg_loss(LOSS, MASK, "seq-mean-token-sum-norm")
     with pytest.raises(ValueError):

@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
 from tsrl_cli.datasets.check import check
-from tsrl_cli.embedded.prepare import EMBEDDED_SETS, prepare_embedded
-from tsrl_cli.envs.tasks import open_dataset, run_in_task
+from tsrl_cli.datasets.store import EMBEDDED_SETS, open_dataset
+from tsrl_cli.embedded.prepare import prepare_embedded
+from tsrl_cli.envs.tasks import run_in_task
 
 needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
                                      reason="no sandbox isolation (bubblewrap or unshare)")
@@ -27,8 +28,8 @@ def test_four_datasets_checked_and_separated(built):
     root, res = built
     for name in EMBEDDED_SETS:
         assert check(str(root / name))["ok"], check(str(root / name))
-    _, _, train = open_dataset(str(root / "embedded_repair_train"))
-    _, _, held = open_dataset(str(root / "embedded_repair_heldout"))
+    train = open_dataset(str(root / "embedded_repair_train")).tasks
+    held = open_dataset(str(root / "embedded_repair_heldout")).tasks
     assert {t.upstream_repo for t in train} == {"embedded/roman"}
     assert {t.upstream_repo for t in held} == {"embedded/money"}
     assert res["embedded_repair_train"]["overlaps"]["eval_sets"] == [str(root / "embedded_repair_heldout")]
@@ -45,7 +46,7 @@ def test_rebuild_is_deterministic_and_a_no_op(built):
 @needs_isolation
 def test_env_exec_runs_the_failing_tests(built):
     root, _ = built
-    _, _, tasks = open_dataset(str(root / "embedded_repair_train"))
+    tasks = open_dataset(str(root / "embedded_repair_train")).tasks
     t = tasks[0]
     res, _, _ = run_in_task(t.task_id, str(root / "embedded_repair_train"), "python -m pytest -q -p no:cacheprovider", 60)
     assert res.exit_code == 1
@@ -64,19 +65,15 @@ def test_cli_embedded_json(tmp_path, monkeypatch):
     assert set(EMBEDDED_SETS) <= set(doc) and doc["embedded_terminal_train"]["written"] == 6
 
 
-def test_cli_policy_recipe_is_checked_and_passed(tmp_path, monkeypatch):
+def test_cli_passes_the_policy_options(tmp_path, monkeypatch):
+    """--rebuild-policy and --policy-out reach the library call; the removed --policy-recipe is a usage error."""
     import tsrl_cli.embedded.prepare as ep
-    from tsrl_cli.embedded.policy_build import COPY_RECIPE, COPY_REPAIR_RECIPE
 
-    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "magic"])
-    assert res.exit_code == 2 and "two_stage, copy, copy_repair" in res.output and not any(tmp_path.iterdir())
     seen = {}
     monkeypatch.setattr(ep, "prepare_embedded", lambda root, seed, progress, **kw: seen.update(kw) or {"seconds": 0})
-    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "copy",
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--rebuild-policy",
                                    "--policy-out", str(tmp_path / "p"), "--json"])
     assert res.exit_code == 0, res.output
-    assert seen["policy"] == COPY_RECIPE and seen["policy_out"] == str(tmp_path / "p")
-    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe",
-                                   "copy_repair", "--json"])
-    assert res.exit_code == 0, res.output
-    assert seen["policy"] == COPY_REPAIR_RECIPE and COPY_REPAIR_RECIPE.copy.repair_repeat == 4
+    assert seen["rebuild_policy"] and seen["build_policy"] and seen["policy_out"] == str(tmp_path / "p")
+    res = CliRunner().invoke(app, ["prepare-data", "embedded", "--out", str(tmp_path), "--policy-recipe", "copy"])
+    assert res.exit_code == 2

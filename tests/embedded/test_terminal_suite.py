@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tsrl_cli.datasets import harbor
-from tsrl_cli.datasets.records import tree_sha256
 from tsrl_cli.embedded import terminal_suite as ts
+from tsrl_cli.files import tree_sha256
 
 N_TRAIN = 2 * len(ts.SPLIT_FAMILIES["train"])  # two instances of every training family
 N_HELDOUT = len(ts.FAMILIES)  # one of every family, held-out-only ones included

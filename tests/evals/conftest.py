@@ -1,23 +1,10 @@
-"""Shared fixtures for the evaluation tests: a tiny ChatML tokenizer and a small held-out embedded suite."""
+"""Shared fixtures for the evaluation tests: a small held-out embedded suite and a tiny random policy folder
+(the ChatML tokenizer `tok` is the root conftest's)."""
 
 import json
 from dataclasses import asdict
 
 import pytest
-
-CORPUS = [
-    "THOUGHT: look at the files\n```bash\nls -la\n```",
-    "THOUGHT: fix the bug\n```bash\nsed -i 's/a - b/a + b/' calc.py\n```",
-    "```bash\nsubmit\n```",
-    "You are an agent working in a shell. Each reply: a short THOUGHT, then exactly one bash block.",
-]
-
-
-@pytest.fixture(scope="session")
-def tok():
-    from tsrl_cli.tokenizer import train_chatml_tokenizer
-
-    return train_chatml_tokenizer(CORPUS * 10, vocab_size=320)
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +33,8 @@ def suite(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ckpt(tok, tmp_path_factory):
     """A policy directory as `tsrl train` writes one (save_pretrained model + tokenizer): tiny, random."""
-    from tsrl_cli.embedded.sft import build_policy_model, save_policy
+    from tsrl_cli.policy import build_tiny_model, save_policy
 
-    model = build_policy_model(len(tok), hidden=32, layers=1, max_positions=2048, seed=0,
-                               pad_id=tok.pad_token_id, eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    model = build_tiny_model(0, vocab_size=len(tok), hidden=32, layers=1, max_positions=2048, pad_id=tok.pad_token_id,
+                             eos_id=tok.convert_tokens_to_ids("<|im_end|>"))
     return save_policy(model, tok, tmp_path_factory.mktemp("ckpt") / "policy")

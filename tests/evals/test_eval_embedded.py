@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
-from tsrl_cli.embedded.demos import repair_plan, say, sed_replace
+from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.embedded.policy.demos import repair_plan, say, sed_replace
 from tsrl_cli.embedded.terminal_suite import solution_commands
 from tsrl_cli.engines.scripted import ScriptedEngine
-from tsrl_cli.envs.tasks import open_dataset
 from tsrl_cli.evals.embedded import LABEL, evaluate_embedded, tree_diff
 from tsrl_cli.evals.runner import RecordLog
 from tsrl_cli.evals.stats import wilson_interval
@@ -37,7 +37,8 @@ class Policy:
     def __init__(self, suite: Path, solve: set[str]):
         self.markers = []
         for name in SETS:
-            d, _, tasks = open_dataset(str(suite / name))
+            ds = open_dataset(str(suite / name))
+            d, tasks = ds.path, ds.tasks
             for t in tasks:
                 text = t.problem_statement.strip() if t.kind == "repair" else t.instruction.strip()
                 self.markers.append((text, t.task_id, fix_command(d, t)))
@@ -50,7 +51,7 @@ class Policy:
 
 
 def all_ids(suite):
-    return {name: [t.task_id for t in open_dataset(str(suite / name))[2]] for name in SETS}
+    return {name: [t.task_id for t in open_dataset(str(suite / name)).tasks] for name in SETS}
 
 
 def run(suite, tok, policy, **kw):
@@ -72,7 +73,7 @@ def test_known_resolved_count_and_patches(suite, tok, tmp_path):
     recs = RecordLog(tmp_path / "out" / "records.jsonl").load()
     assert len(recs) == 6 and json.loads((tmp_path / "out" / "summary.json").read_text())["all"]["n"] == 6
     d = suite / SETS[0]
-    tasks = {t.task_id: t for t in open_dataset(str(d))[2]}
+    tasks = {t.task_id: t for t in open_dataset(str(d)).tasks}
     for r in recs:
         assert r["resolved"] == (r["instance_id"] in solve) and r["exit_reason"] == "submitted"
         assert r["turns"] == (2 if r["instance_id"] in solve else 1) and r["tokens"] > 0 and r["duration_s"] > 0

@@ -17,6 +17,7 @@ from tsrl_cli.cli import app
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals import swebench as sb
 from tsrl_cli.evals.runner import docker_unavailable_reason
+from tsrl_cli.files import write_jsonl_atomic
 from tsrl_cli.sandbox import ExecResult
 
 BOGUS_DOCKER = "unix:///nonexistent/tsrl-test-docker.sock"
@@ -54,9 +55,9 @@ def no_docker(monkeypatch):
 
 
 def row(ds, iid=IID):
-    from tsrl_cli.envs.tasks import open_dataset
+    from tsrl_cli.datasets.store import open_dataset
 
-    t = {t.task_id: t for t in open_dataset(str(ds))[2]}[iid]
+    t = {t.task_id: t for t in open_dataset(str(ds)).tasks}[iid]
     r = sb.harness_row(t)
     r.update(eval_script=EVAL_SCRIPT, log_parser="parse_log_pytest", eval_type="pass_and_fail")  # fixture names are not 5.x names
     return r
@@ -99,7 +100,7 @@ def test_predictions_schema(tmp_path):
     preds = sb.predictions_from_records(recs, "results/ckpt")
     assert preds == [{"instance_id": "a__b-1", "model_name_or_path": "results/ckpt", "model_patch": "diff --git a/f b/f\n"},
                      {"instance_id": "a__b-2", "model_name_or_path": "results/ckpt", "model_patch": ""}]
-    sb.write_jsonl(tmp_path / "p.jsonl", preds)
+    write_jsonl_atomic(tmp_path / "p.jsonl", preds)
     assert sb.read_predictions(tmp_path / "p.jsonl") == preds
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instance_id": "x", "model_patch": ""}\n')
@@ -114,9 +115,9 @@ def test_predictions_accepted_by_swebench(ds, tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)  # the harness looks for earlier reports under ./logs
     rows = [row(ds)]
-    sb.write_jsonl(tmp_path / "rows.jsonl", rows)
+    write_jsonl_atomic(tmp_path / "rows.jsonl", rows)
     preds = sb.predictions_from_records([{"instance_id": IID, "patch": "diff --git a/f b/f\n"}], "tsrl/ckpt")
-    sb.write_jsonl(tmp_path / "predictions.jsonl", preds)
+    write_jsonl_atomic(tmp_path / "predictions.jsonl", preds)
     got = get_predictions_from_file(str(tmp_path / "predictions.jsonl"), str(tmp_path / "rows.jsonl"), "test")
     assert got == preds
     todo = get_dataset_from_preds(str(tmp_path / "rows.jsonl"), "test", [IID], {p["instance_id"]: p for p in got},
@@ -192,8 +193,8 @@ def test_harness_failure_is_not_a_score(ds, tmp_path, monkeypatch):
     """The real harness, run without a daemon, fails at Docker; tsrl reports nothing graded."""
     swebench_or_skip()
     monkeypatch.setenv("DOCKER_HOST", BOGUS_DOCKER)
-    sb.write_jsonl(tmp_path / "rows.jsonl", [row(ds)])
-    sb.write_jsonl(tmp_path / "p.jsonl", [{"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/f b/f\n"}])
+    write_jsonl_atomic(tmp_path / "rows.jsonl", [row(ds)])
+    write_jsonl_atomic(tmp_path / "p.jsonl", [{"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/f b/f\n"}])
     with pytest.raises(sb.HarnessError, match="Nothing was graded"):
         sb.grade(tmp_path / "p.jsonl", str(tmp_path / "rows.jsonl"), tmp_path, run_id="r1", workers=1)
     log = (tmp_path / "harness.log").read_text()
@@ -217,9 +218,9 @@ class FakeSandbox:
 
 
 def test_env_runs_in_testbed_and_collects_the_diff(ds):
-    from tsrl_cli.envs.tasks import open_dataset
+    from tsrl_cli.datasets.store import open_dataset
 
-    task = {t.task_id: t for t in open_dataset(str(ds))[2]}[IID]
+    task = {t.task_id: t for t in open_dataset(str(ds)).tasks}[IID]
     env = sb.SWEbenchEnv(task)
     env.sandbox = FakeSandbox()
     out = asyncio.run(env.run("ls", 5))

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
-from tsrl_cli.embedded.demos import say
+from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.embedded.policy.demos import say
 from tsrl_cli.embedded.terminal_suite import solution_commands
 from tsrl_cli.engines.scripted import ScriptedEngine
-from tsrl_cli.envs.tasks import open_dataset
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals import tbench as tb
 
@@ -28,7 +28,8 @@ def tbds(tmp_path_factory, prepare_fixture):
 
 @needs_isolation
 def test_local_end_to_end_known_count(suite, tok, tmp_path):
-    d, _, tasks = open_dataset(str(suite / "embedded_terminal_heldout"))
+    ds = open_dataset(str(suite / "embedded_terminal_heldout"))
+    d, tasks = ds.path, ds.tasks
     solve = {tasks[0].task_id, tasks[2].task_id}
     fixes = [(t.instruction.strip(), t.task_id, " && ".join(solution_commands(d / t.task_dir))) for t in tasks]
 
@@ -58,9 +59,7 @@ def test_cli_local_with_a_checkpoint(suite, ckpt, tmp_path):
 
 def test_docker_executor_without_daemon_exit_2(tbds, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", BOGUS_DOCKER)
-    import tsrl_cli.evals.swebench as sb
-
-    monkeypatch.setattr(sb, "load_engine", lambda *a, **k: pytest.fail("model loaded without Docker"))
+    monkeypatch.setattr(tb, "load_engine", lambda *a, **k: pytest.fail("model loaded without Docker"))
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m", "--instances", "hello-world"])
     assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""
     # tasks that ship only a Dockerfile: the docker executor does not build images, and says so first
@@ -98,7 +97,8 @@ def test_image_workdir_and_docker_env_prefix(tbds, tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM ubuntu\nWORKDIR /srv\nRUN true\nworkdir /work/app\n")
     assert tb.image_workdir(tmp_path) == "/work/app"
     assert tb.image_workdir(tmp_path / "none") == "/app"
-    d, _, tasks = open_dataset(str(tbds))
+    ds = open_dataset(str(tbds))
+    d, tasks = ds.path, ds.tasks
     env = tb.DockerTerminalEnv({t.task_id: t for t in tasks}["hello-world"], d)
     seen = []
     env.sandbox = type("S", (), {"run": lambda self, c, t, mounts=None: seen.append(c)})()

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from tsrl_cli.devices import parse_devices
 from tsrl_cli.errors import UsageError
-from tsrl_cli.rl.placement import parse_devices
 from tsrl_cli.rl.train import train
 
 peft = pytest.importorskip("peft", reason="LoRA needs the peft package (pip install -e '.[lora]')")
@@ -151,7 +151,7 @@ def test_cuda_float64_sync_equals_stream(toy_config):
 
 def test_device_index_from_yaml_or_set(toy_config):
     from tsrl_cli.config import dump_config, load_config
-    from tsrl_cli.rl.placement import device_of
+    from tsrl_cli.devices import device_of
 
     cfg = toy_config("devices.learner=3")  # YAML reads 3 as an int
     assert device_of(cfg, "learner") == "cuda:3" and device_of(cfg, "teacher") == "cpu"

@@ -83,11 +83,26 @@ def check_run_dir(run_dir, cfg):
     return metrics, events
 
 
+# injected tool latency (seeded, lognormal) spreads the trajectories' finish times; tokens do not change
+SPREAD = {"rollout.tool_latency_median_s": 0.05, "rollout.tool_latency_sigma": 1.0}
+
+
+def early_backwards(events, unit, when):
+    """Items whose backward (its `when` time) came before the last arrival of their unit in the same round:
+    the overlap streaming exists for. unit(item) -> the unit's key (a GRPO group, an OPD trajectory)."""
+    items = [e for e in events if e["event"] == "item"]
+    last: dict = {}
+    for e in items:
+        k = (e["round"], unit(e))
+        last[k] = max(last.get(k, float("-inf")), e["finished_at_s"])
+    return [e for e in items if e[when] < last[(e["round"], unit(e))]]
+
+
 def test_grpo_sync_equals_stream_float64(toy_config):
     runs = {}
     for s in ("sync", "stream"):
         cfg = toy_config(out=s, schedule=s, rounds=3, **{"model.dtype": "float64", "run.save_rollouts": True,
-                                                         "run.save_every": 1})
+                                                         "run.save_every": 1, **SPREAD})
         train(cfg)
         runs[s] = cfg
     a, b = (str(runs[s].run_dir()) for s in ("sync", "stream"))
@@ -105,10 +120,14 @@ def test_grpo_sync_equals_stream_float64(toy_config):
         items = [e for e in events if e["event"] == "item"]
         assert len(items) == 24 and all(e["staleness"] == 0 for e in items)
         assert all(m["staleness_max"] == 0 for m in metrics)
+        early = early_backwards(events, lambda e: e["group_id"], "backward_start_s")
         if s == "stream":  # per-arrival backwards, each after its arrival
             assert all(e["learner_cost_s"] > 0 and e["backward_start_s"] >= e["finished_at_s"] for e in items)
             assert all(m["accumulator_peak_bytes"] > 0 and m["loss"] is None for m in metrics)
+            # the overlap itself: some trajectory's backward started before its group's last member arrived
+            assert early, "no backward started before its group closed"
         else:
+            assert not early  # the lazy baseline waits: nothing starts before the group's last arrival
             assert all(e["learner_cost_s"] is None for e in items)
             assert sum(e["event"] == "batch_backward" for e in events) == 3
             assert all(m["loss"] is not None for m in metrics)
@@ -161,7 +180,7 @@ def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
     runs = {}
     for s in ("sync", "stream"):
         cfg = toy_config(out=s, objective="opd", schedule=s, rounds=2,
-                         **{"model.dtype": "float64", "run.save_rollouts": True, "loss.loss_agg": loss_agg})
+                         **{"model.dtype": "float64", "run.save_rollouts": True, "loss.loss_agg": loss_agg, **SPREAD})
         train(cfg)
         runs[s] = str(cfg.run_dir())
     assert rollout_tokens(runs["sync"]) == rollout_tokens(runs["stream"])
@@ -170,8 +189,10 @@ def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
     assert items and all(e["turn"] is not None and e["reward"] is None for e in items)
     m = rows(runs["stream"], "metrics.jsonl")
     assert all(r["opd_reverse_kl"] is not None and r["peak_mem_teacher_bytes"] for r in m)
-    # a turn's backward can run before its trajectory ends: items outnumber trajectories
-    assert len(items) > sum(r["trajectories"] for r in m)
+    # the overlap itself: some turn's backward ended before its trajectory's last turn was scored
+    traj = lambda e: (e["group_id"], e["sample_index"])  # noqa: E731
+    assert early_backwards(rows(runs["stream"], "events.jsonl"), traj, "backward_end_s")
+    assert not early_backwards(rows(runs["sync"], "events.jsonl"), traj, "backward_end_s")
 
 
 def test_async_staleness(toy_config):
@@ -262,9 +283,9 @@ def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixtur
     """eval.every K: the initial and every K-th round's weights are evaluated on a held-out set; the
     numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint, here
     sampled at eval.temperature 1 with eval seed 0, which repeats exactly)."""
-    from tsrl_cli.embedded.sft import load_policy
-    from tsrl_cli.evals import embedded as ev
+    import tsrl_cli.rl.train as train_mod  # where the trainer finds evaluate_embedded
     from tsrl_cli.evals.embedded import evaluate_embedded
+    from tsrl_cli.policy import load_policy
 
     seen = []  # the sampling settings each checkpoint's evaluation ran with
 
@@ -272,7 +293,7 @@ def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixtur
         seen.append((kw.get("samples"), kw.get("temperature")))
         return evaluate_embedded(*args, **kw)
 
-    monkeypatch.setattr(ev, "evaluate_embedded", spy)
+    monkeypatch.setattr(train_mod, "evaluate_embedded", spy)
     prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
     held = str(tmp_path / "tb")
     cfg = toy_config("eval.every=2", f"eval.datasets=[{held}]", "eval.temperature=1.0", "eval.samples=2",

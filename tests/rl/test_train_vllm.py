@@ -17,7 +17,7 @@ def _logprobs(model_dir, rollouts):
     import torch
 
     from tsrl_cli.core.losses import token_logprobs
-    from tsrl_cli.embedded.sft import load_policy
+    from tsrl_cli.policy import load_policy
 
     model, _ = load_policy(model_dir, torch.float32)
     out = []

@@ -1,4 +1,4 @@
-"""The local sandbox stops what agent-written commands may try (issue 3, "Done when").
+"""The local sandbox stops what agent-written commands may try (each limit and each isolation rule).
 
 Every bomb is bounded twice: by the sandbox limits under test (64 processes, 512 MiB, 2 s of
 CPU) and by a wall clock of a few seconds, so a broken sandbox still cannot hurt the machine.

@@ -80,6 +80,9 @@ def _root(
 def main() -> None:
     """Entry point: known errors become one line on stderr and exit code 2."""
     from tsrl_cli.errors import UsageError
+    from tsrl_cli.processes import thread_env
+
+    thread_env()  # one OpenMP thread per process, set before any command imports torch
 
     try:
         app(standalone_mode=True)

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.errors import UsageError
 
 bench_app = typer.Typer(name="bench", help="Benchmarks of the round engine.", no_args_is_help=True,
@@ -51,14 +52,12 @@ def speedup(
     json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
 ) -> None:
     """Run one workload under each schedule and print step time, speedup over sync, idle and memory."""
-    from tsrl_cli.cli.train import TrainDisplay, fail
+    from tsrl_cli.cli.train import TrainDisplay
     from tsrl_cli.console import console
 
-    try:
+    with cli_errors():
         from tsrl_cli.config import load_config
         from tsrl_cli.rl.bench import bench_speedup
-        from tsrl_cli.rl.train import TrainError
-
         chosen = tuple(s.strip() for s in schedules.split(",") if s.strip())
         bad = [s for s in chosen if s not in ("sync", "stream", "async")]
         if bad or not chosen:
@@ -85,10 +84,6 @@ def speedup(
             res = bench_speedup(base, out_root, schedules=chosen, repeats=repeats, warmup=warmup, progress=display)
         finally:
             display.stop()
-    except UsageError as e:
-        raise fail(e, 2) from None
-    except TrainError as e:
-        raise fail(e, 1) from None
     if json_out:
         typer.echo(json.dumps(res))
         return

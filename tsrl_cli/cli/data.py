@@ -7,25 +7,13 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt
 
 data_app = typer.Typer(
     help="Inspect and validate prepared task data.", no_args_is_help=True,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
-
-
-def _fail(e: UsageError):
-    from rich.markup import escape
-
-    from tsrl_cli.console import err_console
-
-    # escaped: messages hold brackets such as tsrl[hub] that rich would read as markup
-    err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-    return typer.Exit(2)
-
 
 def prepare_data(
     source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | embedded.")],
@@ -42,9 +30,8 @@ def prepare_data(
     keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set uses (evaluation instances are always dropped).")] = False,
     on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: skip (count it) or fail (exit 2). Default: fail for evaluation sets, skip for training sets.")] = None,
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
-    policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also train the default student and teacher policies (SFT; several minutes on 2 cores; kept when already built from the same data).")] = True,
+    policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also build the default student and teacher (data/embedded_policy; about 45 min on 2 cores, kept when already built from the same data and recipe).")] = True,
     rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
-    policy_recipe: Annotated[str, typer.Option(help="embedded: copy_repair (the shipped default: copy curriculum, 2 layers, repair demonstrations 4x; copies names from the instruction, so it reaches held-out terminal tasks), copy (the same without repeated repair: no repair) or two_stage (the earlier default, 4 layers: recalls its training tasks, 0 % held out). See the README.")] = "copy_repair",
     policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -55,8 +42,8 @@ def prepare_data(
     from tsrl_cli.console import console, progress_printer
 
     if source == "embedded":
-        return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_recipe, policy_out)
-    try:
+        return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_out)
+    with cli_errors():
         from tsrl_cli.datasets.prepare import PrepareOptions, prepare
 
         opts = PrepareOptions(
@@ -66,8 +53,6 @@ def prepare_data(
             keep_eval_repos=keep_eval_repos, on_error=on_error,
         )
         res = prepare(opts, progress=progress_printer(not json_out))
-    except UsageError as e:
-        raise _fail(e) from None
     if json_out:
         typer.echo(json.dumps(res))
     else:
@@ -75,21 +60,15 @@ def prepare_data(
 
 
 def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False,
-                      recipe: str = "copy_repair", policy_out: str | None = None) -> None:
+                      policy_out: str | None = None) -> None:
     """Build the shipped suite and prepare its four datasets (see tsrl_cli/embedded/prepare.py)."""
     from tsrl_cli.console import console, progress_printer
-    from tsrl_cli.embedded.policy_build import PRESETS
 
-    if recipe not in PRESETS:
-        raise _fail(UsageError(f"--policy-recipe {recipe!r}: use one of {', '.join(PRESETS)}"))
-    try:
+    with cli_errors():
         from tsrl_cli.embedded.prepare import prepare_embedded
 
         res = prepare_embedded(out_root, seed, progress=progress_printer(not json_out), build_policy=policy,
-                               rebuild_policy=rebuild, policy=PRESETS[recipe],
-                               policy_out=policy_out)
-    except UsageError as e:
-        raise _fail(e) from None
+                               rebuild_policy=rebuild, policy_out=policy_out)
     if json_out:
         typer.echo(json.dumps(res))
         return
@@ -142,12 +121,10 @@ def show(
     """Print a prepared dataset's source, counts, split and a few rows."""
     from tsrl_cli.console import console
 
-    try:
+    with cli_errors():
         from tsrl_cli.datasets.check import show as show_dataset
 
         res = show_dataset(name, rows=rows)
-    except UsageError as e:
-        raise _fail(e) from None
     if json_out:
         typer.echo(json.dumps(res))
         return
@@ -171,12 +148,10 @@ def check(
     """
     from tsrl_cli.console import console
 
-    try:
+    with cli_errors():
         from tsrl_cli.datasets.check import check as check_dataset
 
         res = check_dataset(name)
-    except UsageError as e:
-        raise _fail(e) from None
     if json_out:
         typer.echo(json.dumps(res))
     else:

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.errors import UsageError
 
 env_app = typer.Typer(
@@ -42,7 +43,7 @@ def exec_(
     from tsrl_cli.console import err_console
     from tsrl_cli.sandbox import open_sandbox
 
-    try:
+    with cli_errors():
         if timeout_s <= 0:
             raise UsageError(f"--timeout-s {timeout_s}: must be positive")
         if (task is None) == (workdir is None):
@@ -63,9 +64,6 @@ def exec_(
                                       highlight=False, soft_wrap=True)
                 res = sb.run(" ".join(command), timeout_s)
                 isolation = sb.isolation
-    except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps({**res.to_dict(), "executor": executor, "isolation": isolation}))
         raise typer.Exit(0)
@@ -88,8 +86,9 @@ def list_(
     """List prepared datasets, or the tasks of one (ids first)."""
     from tsrl_cli.console import console, err_console
 
-    try:
-        from tsrl_cli.envs.tasks import list_datasets, open_dataset, start_dir, task_image
+    with cli_errors():
+        from tsrl_cli.datasets.store import list_datasets, open_dataset
+        from tsrl_cli.envs.tasks import start_dir, task_image
 
         if dataset is None:
             rows = list_datasets()
@@ -100,14 +99,12 @@ def list_(
             for r in [] if json_out else rows:
                 console.print(f"{r['name']}\t{r['kind']}\t{r['tasks']} tasks\t{r['source']}", highlight=False)
             raise typer.Exit(0)
-        d, m, tasks = open_dataset(dataset)
+        ds = open_dataset(dataset)
+        d, tasks = ds.path, ds.tasks
         shown = tasks if limit <= 0 else tasks[:limit]
         rows = [{"task_id": t.task_id, "kind": t.kind, "split": t.split,
                  "local_start": str(start_dir(d, t)) if start_dir(d, t) else None, "image": task_image(t)}
                 for t in shown]
-    except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps({"dataset": str(d), "num_tasks": len(tasks), "tasks": rows}))
         raise typer.Exit(0)

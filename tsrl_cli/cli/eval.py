@@ -12,32 +12,14 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt, OutOpt, SeedsOpt, TempOpt
+from tsrl_cli.cli._options import split_list as _split
 
 eval_app = typer.Typer(
     name="eval", help="Evaluate a policy: embedded held-out tasks, SWE-bench, Terminal-Bench.",
     no_args_is_help=True, add_completion=False, context_settings={"help_option_names": ["-h", "--help"]},
 )
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document (the summary) on stdout.")]
-OutOpt = Annotated[str | None, typer.Option("--out", help="Output folder (default results/eval/<kind>-<model name>); a re-run resumes it.")]
-TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")]
-SeedOpt = Annotated[list[int] | None, typer.Option("--seed", help="Sampling seed (repeatable: the summary then has one row per seed). Default 0.")]
-
-
-def _fail(e: Exception):
-    from rich.markup import escape
-
-    from tsrl_cli.console import err_console
-
-    err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-    return typer.Exit(2)
-
-
-def _split(values: list[str] | None) -> list[str] | None:
-    """Repeatable options that also take comma-separated lists."""
-    return [v.strip() for x in values for v in x.split(",") if v.strip()] if values else None
-
 
 @eval_app.command(
     "embedded",
@@ -50,7 +32,7 @@ def embedded(
     datasets: Annotated[list[str] | None, typer.Option("--datasets", help="Prepared datasets, comma-separated or repeated. Default: embedded_repair_heldout,embedded_terminal_heldout.")] = None,
     samples: Annotated[int, typer.Option(help="Trajectories per task (and seed).")] = 1,
     temperature: TempOpt = 0.0,
-    seed: SeedOpt = None,
+    seed: SeedsOpt = None,
     max_turns: Annotated[int | None, typer.Option(help="Agent turns per trajectory (default 8, the training limit).")] = None,
     limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
     out: OutOpt = None,
@@ -65,7 +47,7 @@ def embedded(
 
     from tsrl_cli.console import progress_printer
 
-    try:
+    with cli_errors():
         from tsrl_cli.agent.loop import AgentLimits
         from tsrl_cli.evals.embedded import DEFAULT_DATASETS, run_embedded_eval
 
@@ -73,8 +55,6 @@ def embedded(
         res = run_embedded_eval(model, _split(datasets) or DEFAULT_DATASETS, out_dir=out, samples=samples,
                                 seeds=tuple(seed or (0,)), temperature=temperature, limits=limits, limit=limit,
                                 concurrency=concurrency, progress=progress_printer(not json_out))
-    except UsageError as e:
-        raise _fail(e) from None
     _emit(res, json_out)
 
 
@@ -104,18 +84,13 @@ def swebench(
     Needs a Docker daemon (else exit 2 before any model loads) and `pip install -e '.[swebench]'`.
     """
     from tsrl_cli.console import progress_printer
-    from tsrl_cli.evals.swebench import HarnessError, run_swebench
+    from tsrl_cli.evals.swebench import run_swebench
 
-    try:
+    with cli_errors():
         res = run_swebench(model, engine=engine, dataset=dataset, instances=_split(instances), workers=workers,
                            temperature=temperature, max_turns=max_turns, out_dir=out, grade_only=grade_only,
                            harness_dataset=harness_dataset, no_grade=no_grade, timeout_s=timeout_s,
                            progress=progress_printer(not json_out))
-    except UsageError as e:
-        raise _fail(e) from None
-    except HarnessError as e:
-        _fail(e)
-        raise typer.Exit(1) from None
     _emit(res, json_out)
 
 
@@ -133,7 +108,7 @@ def tbench(
     executor: Annotated[str, typer.Option(help="docker (each task's image; real Terminal-Bench) or local (sandbox copy of environment/).")] = "docker",
     samples: Annotated[int, typer.Option(help="Trajectories per task (and seed).")] = 1,
     temperature: TempOpt = 0.0,
-    seed: SeedOpt = None,
+    seed: SeedsOpt = None,
     max_turns: Annotated[int | None, typer.Option(help="Agent turns per task (default 8 with local, 50 with docker).")] = None,
     limit: Annotated[int | None, typer.Option(help="First N tasks (default: all).")] = None,
     instances: Annotated[list[str] | None, typer.Option(help="Task ids, comma-separated or repeated (default: all).")] = None,
@@ -152,7 +127,7 @@ def tbench(
     """
     from tsrl_cli.console import progress_printer
 
-    try:
+    with cli_errors():
         if via_harbor:
             from tsrl_cli.evals.tbench import run_via_harbor
 
@@ -165,8 +140,6 @@ def tbench(
                              seeds=tuple(seed or (0,)), temperature=temperature, max_turns=max_turns, limit=limit,
                              instances=_split(instances), out_dir=out, workers=workers,
                              progress=progress_printer(not json_out))
-    except UsageError as e:
-        raise _fail(e) from None
     if via_harbor:
         if json_out:
             typer.echo(json.dumps(res))

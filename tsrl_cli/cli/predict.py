@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
 
 
 def predict(
@@ -28,16 +28,13 @@ def predict(
     (each item on the first free learner) + step + sync; async = max(last arrival, work / learners +
     step) + sync. From a run, it also compares with the measured step time (mean abs % error).
     """
-    from tsrl_cli.console import console, err_console
+    from tsrl_cli.console import console
 
-    try:
+    with cli_errors():
         from tsrl_cli.predict import load_trace, predict_trace
 
         res = predict_trace(load_trace(trace), step_s=step_s, sync_s=sync_s, learners=learners,
                             learner_speed=learner_speed, tool_speed=tool_speed, spread=spread, warmup=warmup)
-    except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps(res))
     else:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
 
 
 def report(
@@ -24,18 +24,15 @@ def report(
     json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
 ) -> None:
     """Write tables (CSV + Markdown), figures (PNG + CSV) and REPORT.md, each number beside the paper's."""
-    from tsrl_cli.console import console, err_console, progress_printer
+    from tsrl_cli.console import console, progress_printer
 
-    try:
+    with cli_errors():
         from tsrl_cli.report.build import ReportOptions, build_report
 
         opts = ReportOptions(results_dir=results_dir, out_dir=out, warmup=warmup, last_round=last_round,
                              spread_key=spread_key, target_reward=target_reward, budget_core_s=budget_core_s,
                              reward_key=reward_key, include_partial=include_partial)
         res = build_report(opts, progress=progress_printer(not json_out))
-    except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps(res))
         return

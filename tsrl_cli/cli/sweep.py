@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
 
 SWEEP_EPILOG = (
     "Config precedence per run: defaults < EXPERIMENT.yaml < --set key=value < --rounds, then the sweep sets "
@@ -34,16 +34,14 @@ def sweep(
     Prints the plan first, then runs it through the same trainer as `tsrl train`.
     Exit codes: 0 every run done, 1 a run failed (the others still ran), 2 bad input or config.
     """
-    from tsrl_cli.cli.train import TrainDisplay, fail
+    from tsrl_cli.cli.train import TrainDisplay
     from tsrl_cli.console import console
 
-    try:
+    with cli_errors():
         from tsrl_cli.sweep import parse_schedules, parse_seeds, plan_sweep
 
         plan = plan_sweep(experiments, schedules=parse_schedules(schedules), seeds=parse_seeds(seeds),
                           rounds=rounds, warmup=warmup, sets=set_ or [], out=out)
-    except UsageError as e:
-        raise fail(e, 2) from None
     if not json_out:
         render_plan(console, plan, dry_run)
     outcomes = None
@@ -52,9 +50,8 @@ def sweep(
 
         display = SweepDisplay(TrainDisplay(enabled=not json_out))
         try:
-            outcomes = run_sweep(plan, progress=display)
-        except UsageError as e:
-            raise fail(e, 2) from None
+            with cli_errors():
+                outcomes = run_sweep(plan, progress=display)
         finally:
             display.stop()
     failed = [o for o in outcomes or [] if o["outcome"] == "failed"]

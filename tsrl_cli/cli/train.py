@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
 
 TRAIN_EPILOG = (
     "Config precedence: defaults < EXPERIMENT.yaml < --set key=value < flags. "
     "Examples:  tsrl train  ·  tsrl train experiments/smoke/tiny_cpu.yaml --schedule sync --rounds 3  ·  "
     "tsrl train --objective opd --set rollout.group_size=4 --json  ·  tsrl train --resume --out results/x/stream/seed0"
 )
-
-
-def fail(e: Exception, code: int = 2) -> typer.Exit:
-    from rich.markup import escape
-
-    from tsrl_cli.console import err_console
-
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    err_console.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
-    if code == 1 and os.environ.get("TSRL_DEBUG"):
-        err_console.print(escape(str(e)), highlight=False, soft_wrap=True)
-    elif code == 1:
-        err_console.print("[dim](set TSRL_DEBUG=1 for the worker's full traceback)[/dim]")
-    return typer.Exit(code)
 
 
 def resolve_train_config(experiment: str | None, sets: list[str], flags: dict, resume: bool):
@@ -84,8 +69,7 @@ def train(
              "offpolicy.tis_cap": tis_cap, "lora.rank": lora_rank, "devices.rollout": rollout_devices,
              "devices.learner": learner_devices, "run.out": out, "run.save_every": save_every,
              "run.save_rollouts": save_rollouts}
-    try:
-        from tsrl_cli.rl.train import TrainError
+    with cli_errors():
         from tsrl_cli.rl.train import train as run_train
 
         cfg = resolve_train_config(experiment, set_ or [], flags, resume)
@@ -94,10 +78,6 @@ def train(
             summary = run_train(cfg, resume=resume, progress=display)
         finally:
             display.stop()
-    except UsageError as e:
-        raise fail(e, 2) from None
-    except TrainError as e:
-        raise fail(e, 1) from None
     if json_out:
         typer.echo(json.dumps(summary))
         return

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from tsrl_cli.errors import UsageError
+from tsrl_cli.cli._errors import cli_errors
 
 
 def verify(
@@ -23,6 +23,9 @@ def verify(
     entropy_coef: Annotated[float, typer.Option(help="Entropy bonus coefficient; 0 = off.")] = 0.0,
     opd_form: Annotated[str, typer.Option(help="OPD loss: pg (advantage -(logp_s - logp_t), tinker/SkyRL) or k3 (direct loss, verl).")] = "pg",
     norm_constant: Annotated[float | None, typer.Option(help="Constant C for seq-mean-token-sum-norm (e.g. max response tokens).")] = None,
+    global_batch_size: Annotated[int | None, typer.Option(help="B of the seq-mean-* modes (default: the round's non-empty sequences).")] = None,
+    opd_coef: Annotated[float, typer.Option(help="OPD: coefficient of the per-token distillation term.")] = 1.0,
+    adv_eps: Annotated[float, typer.Option(help="GRPO: epsilon added to the group's std (verl 1e-6).")] = 1e-6,
     dtype: Annotated[str, typer.Option(help="float64 (tolerance 1e-10) | float32 (1e-4) | bfloat16 (5e-2).")] = "float64",
     order: Annotated[str, typer.Option(help="Arrival order of trajectories (GRPO) or turns (OPD): random | given | reverse.")] = "random",
     seed: Annotated[int, typer.Option(help="Seed for the built-in model, random rollouts and the random order.")] = 0,
@@ -36,21 +39,19 @@ def verify(
 
     Exit 0 when the max relative difference is within the dtype's tolerance, 1 when not, 2 on bad input.
     """
-    from tsrl_cli.console import console, err_console, progress_printer
+    from tsrl_cli.console import console, progress_printer
 
-    try:
+    with cli_errors():
+        from tsrl_cli.config import LossConfig
         from tsrl_cli.verify import VerifyOptions, run_verify
 
-        opts = VerifyOptions(
-            model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss_agg=loss_agg,
-            adv_norm=adv_norm, kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef, opd_form=opd_form,
-            norm_constant=norm_constant, dtype=dtype, order=order, seed=seed, groups=groups,
-            group_size=group_size, max_open_groups=max_open_groups, save_grads=save_grads,
-        )
+        loss = LossConfig(loss_agg=loss_agg, adv_norm=adv_norm, adv_eps=adv_eps, kl_coef=kl_coef, kl_type=kl_type,
+                          entropy_coef=entropy_coef, opd_form=opd_form, opd_coef=opd_coef, norm_constant=norm_constant,
+                          global_batch_size=global_batch_size, max_open_groups=max_open_groups)
+        opts = VerifyOptions(model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss=loss,
+                             dtype=dtype, order=order, seed=seed, groups=groups, group_size=group_size,
+                             save_grads=save_grads)
         res = run_verify(opts, progress=progress_printer(not json_out))
-    except UsageError as e:
-        err_console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
     if json_out:
         typer.echo(json.dumps(res))
     else:

@@ -1,6 +1,7 @@
 """Exact streaming accumulation of one round's gradient (ThunderSyncRL's "partial sums").
 
-The identity (PAPER.md, "Objective 1: GRPO"), for one group g with advantages
+The identity (ThunderSyncRL's GRPO split: sum_i (r_i - mean)/std g_i = (sum_i r_i g_i - mean sum_i g_i) / std),
+for one group g with advantages
 A_i = (r_i - mu) * s, s = 1/(sigma + eps) (or 1 for Dr. GRPO), and per-trajectory gradients
 G_i = grad of w_i * sum_t m_it * (-ratio_it)   (the policy-gradient surrogate with advantage 1):
 

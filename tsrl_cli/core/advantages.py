@@ -9,7 +9,7 @@ verl `compute_grpo_outcome_advantage` (core_algos.py), per group of rewards r_1.
 All statistics are float64 whatever the model dtype: advantages are scalars per trajectory and
 cost nothing, while float32 statistics of rewards like 100 + 0.01*noise lose 4 digits.
 
-Differences from other anchors (ANCHORS.md 3.1): TRL uses eps = 1e-4, AReaL 1e-5; tinker-cookbook
+Differences from other trainers: TRL `GRPOTrainer` uses eps = 1e-4, AReaL 1e-5; tinker-cookbook
 and prime-rl never divide by std (that is `group_centered` here).
 """
 

@@ -1,4 +1,5 @@
-"""Per-token quantities and loss aggregation, with verl's semantics (ANCHORS.md 3.2-3.6).
+"""Per-token quantities and loss aggregation, with verl's semantics (verl 0.9 `core_algos`: `agg_loss`,
+`kl_penalty_forward`, `compute_policy_loss_vanilla`; docs/streaming.md has the table of differences).
 
 Alignment used everywhere in tsrl: position j of a (T,) row refers to *predicting* input_ids[j]
 from input_ids[:j]. So logprobs_T[j] = log pi(input_ids[j] | input_ids[:j]) and loss_mask_T[j] = 1
@@ -74,7 +75,7 @@ def pg_token_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     This is verl's `compute_policy_loss_vanilla` at ratio exactly 1 (old log-probs recomputed by the
     trainer from the same weights, one optimizer step): the clip and the dual clip are inactive, the
     value is -A and the gradient is -A * grad(logp). It is linear in A, which is what makes the
-    two-accumulator decomposition exact (README, "Scope").
+    two-accumulator decomposition exact (docs/streaming.md, "Scope").
     """
     ratio = torch.exp(logp - logp.detach())
     return -advantages * ratio
@@ -116,15 +117,16 @@ def round_scale(
 
     token-mean: 1/N, N = loss tokens of the whole round (verl's all-reduced batch_num_tokens).
     seq-mean-*: 1/B, B = global_batch_size when given, else the round's non-empty sequences.
-    seq-mean-token-sum-norm: 1/C with C an explicit constant (verl's loss_scale_factor; its default,
-        the padded length of the micro-batch, depends on how the batch is split, so tsrl requires C).
+    seq-mean-token-sum-norm: 1/(B C): the mean over sequences of the token sums, then / C, C an
+        explicit constant (verl 0.9 agg_loss, its loss_scale_factor; verl's default C, the padded
+        length of the micro-batch, depends on how the batch is split, so tsrl requires C).
     token-sum: 1.
     A zero denominator gives 0, as verl's agg_loss returns a zero loss then.
     """
     if mode == "token-mean":
         return 1.0 / num_tokens if num_tokens > 0 else 0.0
+    b = global_batch_size if global_batch_size is not None else num_nonempty_seqs
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        b = global_batch_size if global_batch_size is not None else num_nonempty_seqs
         return 1.0 / b if b > 0 else 0.0
     if mode == "seq-mean-token-sum-norm":
         if norm_constant is None or norm_constant <= 0:
@@ -132,7 +134,7 @@ def round_scale(
                 "seq-mean-token-sum-norm needs an explicit positive norm constant "
                 "(verl loss_scale_factor, e.g. the max response length)"
             )
-        return 1.0 / norm_constant
+        return 1.0 / (b * norm_constant) if b > 0 else 0.0
     if mode == "token-sum":
         return 1.0
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
@@ -158,16 +160,16 @@ def agg_loss(
     if mode == "token-sum":
         return (loss_B_T * mask).sum()
     seq_nonempty = (seq_tokens > 0).to(loss_B_T.dtype)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        seq_losses = (loss_B_T * mask).sum(-1)
-        if mode == "seq-mean-token-mean":
-            seq_losses = seq_losses / (seq_tokens + SEQ_MEAN_EPS)
-        b = global_batch_size if global_batch_size is not None else seq_nonempty.sum()
-        if b == 0:
-            return loss_B_T.sum() * 0.0
-        return (seq_losses * seq_nonempty).sum() / b
-    if mode == "seq-mean-token-sum-norm":
-        if norm_constant is None or norm_constant <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs an explicit positive norm constant")
-        return (loss_B_T * mask).sum(-1).sum() / norm_constant
-    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    if mode not in ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    if mode == "seq-mean-token-sum-norm" and (norm_constant is None or norm_constant <= 0):
+        raise ValueError("seq-mean-token-sum-norm needs an explicit positive norm constant")
+    seq_losses = (loss_B_T * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / (seq_tokens + SEQ_MEAN_EPS)
+    b = global_batch_size if global_batch_size is not None else seq_nonempty.sum()
+    if b == 0:
+        return loss_B_T.sum() * 0.0
+    loss = (seq_losses * seq_nonempty).sum() / b  # the mean over sequences
+    # seq-mean-token-sum-norm: then / C (verl 0.9; older verl releases divided the plain sum by C alone)
+    return loss / norm_constant if mode == "seq-mean-token-sum-norm" else loss

@@ -2,7 +2,7 @@
 
 Not part of gradient streaming (which is on-policy, ratio exactly 1); this is what the async
 baseline needs because its data comes from older weights. verl / SkyRL semantics
-(ANCHORS.md 3.5, verl `compute_rollout_correction_weights`, token level):
+(verl `compute_rollout_correction_weights`, token level; SkyRL's token TIS cap):
 
     w_t = min( exp(clamp(logp_old_t - logp_behavior_t, -20, 20)), cap ),   detached
 

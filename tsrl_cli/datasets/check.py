@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tsrl_cli.datasets.records import file_sha256, load_dataset_dir, read_manifest, tree_sha256
+from tsrl_cli.datasets.records import load_dataset_dir, read_manifest
+from tsrl_cli.datasets.store import resolve
 from tsrl_cli.errors import UsageError
-
-
-def resolve(name: str) -> Path:
-    """NAME is a path to a prepared dataset, or a name under data/."""
-    for p in (Path(name), Path("data") / name):
-        if p.is_dir():
-            return p
-    raise UsageError(f"{name}: no such dataset (neither {name} nor data/{name} is a folder)")
+from tsrl_cli.files import file_sha256, tree_sha256
 
 
 def show(name: str, rows: int = 3) -> dict:

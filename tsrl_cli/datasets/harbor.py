@@ -1,6 +1,6 @@
 """Terminal task directories -> TerminalTask: Harbor format (SETA-Env, Terminal-Bench 2.x) and TB 1.x.
 
-Harbor (ANCHORS "Data and evaluation" 1.4): instruction.md, task.toml ([metadata], [agent]
+Harbor (harbor's task format, `harbor run`): instruction.md, task.toml ([metadata], [agent]
 timeout_sec, [verifier] timeout_sec, [environment] build_timeout_sec / docker_image / cpus /
 memory_mb / ...), environment/ (Dockerfile or docker-compose.yaml), tests/test.sh (writes
 /logs/verifier/reward.txt or reward.json), solution/solve.sh.
@@ -14,7 +14,10 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from tsrl_cli.datasets.records import FieldError, TerminalTask, tree_sha256
+import yaml
+
+from tsrl_cli.datasets.records import FieldError, TerminalTask
+from tsrl_cli.files import tree_sha256
 
 SETA_HUB_ID = "camel-ai/SETA-Env"
 TASK_FILES = ("task.toml", "task.yaml", "instruction.md")  # any of these marks a task directory
@@ -73,8 +76,6 @@ def _read_harbor(path: Path, source: str, split: str) -> TerminalTask:
 
 
 def _read_tb1(path: Path, source: str, split: str) -> TerminalTask:
-    import yaml
-
     try:
         cfg = yaml.safe_load((path / "task.yaml").read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:

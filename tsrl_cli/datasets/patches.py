@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 
 _HUNK = re.compile(r"^@@ -(\d+(?:,\d+)?) \+(\d+(?:,\d+)?) @@(.*)$")
 _DIFF_GIT = re.compile(r"^diff --git a/(.*) b/(.*)$")
@@ -134,8 +135,6 @@ def parse_one_line_patch(patch: str) -> tuple[str, int, str, str]:
 
 def apply_one_line_patch(root, patch: str) -> bool:
     """Apply a one-line replacement patch in place under root; False when it is not one or does not match."""
-    from pathlib import Path
-
     try:
         file, line, old, new = parse_one_line_patch(patch)
         path = Path(root) / file

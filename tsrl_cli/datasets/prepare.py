@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -23,14 +22,15 @@ from tsrl_cli.datasets.records import (
     FORMAT,
     MANIFEST,
     FieldError,
-    file_sha256,
     read_manifest,
+    read_tasks,
     records_sha256,
     write_manifest,
     write_tasks,
 )
 from tsrl_cli.datasets.sources import Source, get_source, load_rows, load_task_root
 from tsrl_cli.errors import UsageError
+from tsrl_cli.files import atomic_dir, file_sha256
 
 MAX_REPORTED = 20  # malformed inputs listed by name in the result and manifest; the rest are counted
 
@@ -247,8 +247,6 @@ def _find_sets(out: Path, kind: str, role: str, given: tuple[str, ...] | None) -
 def _separate(tasks: list, src: Source, out: Path, opts: PrepareOptions) -> tuple[list, dict]:
     """(kept tasks, overlap report). Training sets: drop eval instances, and eval repos unless
     keep_eval_repos. Evaluation sets: report the overlap with training sets, drop nothing."""
-    from tsrl_cli.datasets.records import read_tasks
-
     other_role = "eval" if src.role == "train" else "train"
     sets = _find_sets(out, src.kind, other_role, opts.eval_sets if src.role == "train" else None)
     ids, repos, keys = set(), set(), set()
@@ -286,12 +284,7 @@ def _up_to_date(out: Path, content: str) -> bool:
 
 
 def _write(out: Path, src: Source, tasks: list, dirs: dict, result: dict, progress) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    old = out.parent / f".{out.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         fname = f"{src.split}.parquet"
         write_tasks(tmp / fname, tasks, src.kind)
         files = {fname: file_sha256(tmp / fname)}
@@ -311,15 +304,6 @@ def _write(out: Path, src: Source, tasks: list, dirs: dict, result: dict, progre
             **{k: v for k, v in result.items() if k != "out"},
         }
         write_manifest(tmp, manifest)  # last: a directory without it is incomplete
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not out.exists():
-            old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
     progress(f"wrote {len(tasks)} task(s) to {out}")
 
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from tsrl_cli.errors import UsageError
 
@@ -83,8 +85,6 @@ RECORD_TYPES = {"repair": RepairTask, "terminal": TerminalTask}
 
 
 def _schema(kind: str):
-    import pyarrow as pa
-
     types = {"str": pa.string(), "str | None": pa.string(), "list[str]": pa.list_(pa.string()),
              "float | None": pa.float64(), "dict": pa.string()}
     return pa.schema([pa.field(f.name, types[f.type], nullable=f.type != "str") for f in fields(RECORD_TYPES[kind])])
@@ -105,38 +105,13 @@ def records_sha256(tasks: list) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def tree_sha256(root: Path) -> str:
-    """Hash of a directory: every file's relative path and bytes (symlinks by their target), sorted."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*"), key=lambda p: p.relative_to(root).as_posix()):
-        rel = p.relative_to(root).as_posix()
-        if p.is_symlink():
-            h.update(f"L {rel} -> {os.readlink(p)}\n".encode())
-        elif p.is_file():
-            h.update(f"F {rel} {file_sha256(p)}\n".encode())
-    return h.hexdigest()
-
-
 def write_tasks(path: Path, tasks: list, kind: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     table = pa.Table.from_pylist([to_row(t) for t in tasks], schema=_schema(kind))
     pq.write_table(table, path)
 
 
 def read_tasks(path: Path, kind: str) -> list:
     """Read a parquet file written by write_tasks; a column mismatch is an error naming the column."""
-    import pyarrow.parquet as pq
-
     try:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid/OSError for a missing or broken file

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from tsrl_cli.datasets import harbor, swe_smith, swebench
-from tsrl_cli.datasets.records import FieldError, file_sha256, tree_sha256
+from tsrl_cli.datasets.records import FieldError, RepairTask
 from tsrl_cli.errors import UsageError
+from tsrl_cli.files import file_sha256, tree_sha256
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,6 @@ SOURCES = {
 
 def _embedded_row(row: dict, split: str, source: str):
     """A RepairTask written by tsrl_cli.embedded (already normalized; `start_dir` next to the rows)."""
-    from dataclasses import fields
-
-    from tsrl_cli.datasets.records import FieldError, RepairTask
-
     names = {f.name for f in fields(RepairTask)}
     for k in ("task_id", "fail_to_pass", "pass_to_pass", "start_dir"):
         if not row.get(k):
@@ -127,8 +126,6 @@ def _iter_files(files: list[Path]) -> Iterator[Row]:
 
 
 def _iter_parquet(f: Path) -> Iterator[Row]:
-    import pyarrow.parquet as pq
-
     try:
         pf = pq.ParquetFile(f)
     except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a broken file

@@ -1,6 +1,6 @@
 """SWE-smith rows (`SWE-bench/SWE-smith`, split train) -> RepairTask.
 
-Columns (ANCHORS "Data and evaluation" 1.1): instance_id, repo (the mirror
+Columns (the `SWE-bench/SWE-smith` dataset card): instance_id, repo (the mirror
 `swesmith/<owner>__<repo>.<commit8>`), patch (introduces the bug), FAIL_TO_PASS and
 PASS_TO_PASS (real lists), image_name, problem_statement (can be empty); older rows also
 carry created_at and base_commit. The start state is the branch named instance_id in the

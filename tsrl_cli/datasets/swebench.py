@@ -3,7 +3,7 @@
 Classic columns: repo, instance_id, base_commit, patch (gold), test_patch, problem_statement,
 hints_text, created_at, version, FAIL_TO_PASS and PASS_TO_PASS (JSON-encoded strings),
 environment_setup_commit (+ difficulty in some copies). swebench 5.x rows also carry image,
-eval_script, log_parser and eval_type: "datasets carry their own eval_script" (ANCHORS 1.2).
+eval_script, log_parser and eval_type: the dataset rows carry their own eval_script (swebench 5.x `run_evaluation`).
 """
 
 from __future__ import annotations

@@ -18,11 +18,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
-EMBEDDED_SETS = ("embedded_repair_heldout", "embedded_terminal_heldout", "embedded_repair_train",
-                 "embedded_terminal_train")
+from tsrl_cli.datasets.prepare import PrepareOptions, prepare
+from tsrl_cli.embedded.policy.build import POLICY_DIR, TRAIN_SETS, PolicyBuildConfig, build_key, build_policy
+from tsrl_cli.embedded.repair_suite import build_repair_suite
+from tsrl_cli.embedded.terminal_suite import build_terminal_suite
 
 
 def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Callable[[str], None] = lambda m: None,
@@ -31,15 +33,11 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
                      rebuild_policy: bool = False, policy_out: str | Path | None = None) -> dict:
     """Build and prepare the embedded suite; returns {dataset name: prepare() result, "policy": ..., "seconds": ...}.
 
-    With build_policy, the default student and teacher (policy_build.py, `policy` a PolicyBuildConfig)
+    With build_policy, the default student and teacher (policy/build.py, `policy` a PolicyBuildConfig)
     are then trained on the prepared training sets, unless data/embedded_policy already holds a build
     of the same training data and config (its build key), which is kept (rebuild_policy forces it).
     policy_out: where the policy goes (default data_root/embedded_policy, what `tsrl train` loads).
     """
-    from tsrl_cli.datasets.prepare import PrepareOptions, prepare
-    from tsrl_cli.embedded.repair_suite import build_repair_suite
-    from tsrl_cli.embedded.terminal_suite import build_terminal_suite
-
     t0 = time.perf_counter()
     root = Path(out_root)
     root.mkdir(parents=True, exist_ok=True)
@@ -73,11 +71,7 @@ def prepare_embedded(out_root: str | Path = "data", seed: int = 0, progress: Cal
 
 
 def _policy(root: Path, seed: int, cfg, rebuild: bool, progress, out_dir=None) -> dict:
-    from dataclasses import replace
-
-    from tsrl_cli.embedded.policy_build import DEFAULT_PRESET, POLICY_DIR, PRESETS, TRAIN_SETS, build_key, build_policy
-
-    cfg = replace(cfg or PRESETS[DEFAULT_PRESET], seed=seed)
+    cfg = replace(cfg or PolicyBuildConfig(), seed=seed)
     key = build_key(root, cfg)
     out = Path(out_dir) if out_dir is not None else root / POLICY_DIR
     try:

@@ -529,16 +529,3 @@ def build_repair_suite(out_dir: Path, seed: int = 0, progress: Callable[[str], N
     progress(f"repair suite: {len(suite['train'])} train, {len(suite['heldout'])} held-out tasks "
              f"in {time.monotonic() - t0:.0f} s")
     return suite
-
-
-def suite_summary(suite: dict[str, list[RepairTask]]) -> dict:
-    """Counts per split, repository and mutation kind (for the manifest and reports)."""
-    out = {}
-    for split, tasks in suite.items():
-        repos: dict[str, int] = {}
-        kinds: dict[str, int] = {}
-        for t in tasks:
-            repos[t.repo] = repos.get(t.repo, 0) + 1
-            kinds[t.meta["mutation"]] = kinds.get(t.meta["mutation"], 0) + 1
-        out[split] = {"tasks": len(tasks), "repos": dict(sorted(repos.items())), "kinds": dict(sorted(kinds.items()))}
-    return out

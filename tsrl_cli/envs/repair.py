@@ -18,13 +18,17 @@ pytest is not run again (the tests are deterministic; any other state, e.g. one 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import shlex
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tsrl_cli.agent.loop import RewardResult
 from tsrl_cli.agent.rewards import parse_pytest_log, repair_reward
+from tsrl_cli.datasets.patches import apply_one_line_patch
 from tsrl_cli.envs.base import SandboxEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox import Limits
@@ -48,9 +52,6 @@ _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
 
 def tree_digest(root: Path) -> str:
     """sha256 over (relative path, content) of every file under root, caches skipped; links by target."""
-    import hashlib
-    import os
-
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
@@ -71,10 +72,6 @@ def known_states(task, repo_dir: Path) -> dict[str, RewardResult]:
     """{tree digest: validated reward} for the start and gold states of a task (memoized per process)."""
     key = (task.task_id, str(repo_dir))
     if key not in _KNOWN:
-        import tempfile
-
-        from tsrl_cli.datasets.patches import apply_one_line_patch
-
         states = {tree_digest(repo_dir): RewardResult(0.0, "start state: FAIL_TO_PASS fail (validated at build)")}
         with tempfile.TemporaryDirectory(prefix="tsrl-gold-") as tmp:
             gold = Path(tmp) / "repo"

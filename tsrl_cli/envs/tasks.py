@@ -8,35 +8,14 @@ Start state per executor:
 
 from __future__ import annotations
 
+import asyncio
 import difflib
 from pathlib import Path
 
+from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.envs.repair import RepairEnv
+from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
-
-
-def open_dataset(name: str) -> tuple[Path, dict, list]:
-    """(folder, manifest, tasks) of a prepared dataset given by name (under data/) or path."""
-    from tsrl_cli.datasets.check import resolve
-    from tsrl_cli.datasets.records import load_dataset_dir
-
-    d = resolve(name)
-    m, tasks = load_dataset_dir(d)
-    return d, m, tasks
-
-
-def list_datasets(root: str | Path = "data") -> list[dict]:
-    """Prepared datasets under `root` (folders with a manifest), with their kind and task count."""
-    from tsrl_cli.datasets.records import MANIFEST, read_manifest
-
-    out = []
-    for d in sorted(Path(root).glob(f"*/{MANIFEST}")):
-        try:
-            m = read_manifest(d.parent)
-        except UsageError:
-            continue
-        out.append({"name": d.parent.name, "path": str(d.parent), "kind": m.get("kind"), "source": m.get("source"),
-                    "tasks": m.get("written")})
-    return out
 
 
 def find_task(tasks: list, task_id: str, dataset: str = ""):
@@ -61,10 +40,7 @@ def task_image(task) -> str | None:
 def make_env(task, dataset_dir: Path, *, executor: str = "local", **kw):
     """The AgentEnv for a task (call `await env.start()` before use)."""
     if task.kind == "repair":
-        from tsrl_cli.envs.repair import RepairEnv
-
         return RepairEnv(task, repo_dir=start_dir(dataset_dir, task), executor=executor, **kw)
-    from tsrl_cli.envs.terminal import TerminalEnv
 
     return TerminalEnv(task, dataset_dir, executor=executor, **kw)
 
@@ -75,10 +51,8 @@ def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, e
 
     Returns (ExecResult, isolation, isolation summary).
     """
-    import asyncio
-
-    d, _, tasks = open_dataset(dataset)
-    t = find_task(tasks, task_id, dataset)
+    ds = open_dataset(dataset)
+    d, t = ds.path, find_task(ds.tasks, task_id, dataset)
     if executor == "local" and t.kind == "repair" and start_dir(d, t) is None:
         raise UsageError(f"task {task_id}: its start state exists only in the image {task_image(t)!r}; "
                          "use --executor docker where a Docker daemon runs")

@@ -25,6 +25,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.datasets.store import Dataset, open_dataset, prepare_hint
+from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
     DEFAULT_LIMITS,
@@ -34,27 +37,13 @@ from tsrl_cli.evals.runner import (
     open_out_dir,
     run_jobs,
     summarize,
-    write_json_atomic,
 )
+from tsrl_cli.files import write_json_atomic
+from tsrl_cli.policy import load_policy
 
 LABEL = "embedded held-out (local sandbox, tiny model)"
 DEFAULT_MODEL = "data/embedded_policy/student"
 DEFAULT_DATASETS = ("embedded_repair_heldout", "embedded_terminal_heldout")
-_HINT = "run `tsrl prepare-data embedded` first"
-
-
-def load_datasets(names: Iterable[str], limit: int | None = None, hint: str = _HINT) -> list[tuple[str, Path, list]]:
-    """(name, folder, tasks) per prepared dataset; a missing one is a UsageError with `hint`."""
-    from tsrl_cli.envs.tasks import open_dataset
-
-    out = []
-    for name in names:
-        try:
-            d, _, tasks = open_dataset(name)
-        except UsageError as e:
-            raise UsageError(f"{e}; {hint}") from None
-        out.append((d.name, d, tasks[:limit] if limit else tasks))
-    return out
 
 
 # -- the final diff of a repair task ---------------------------------------------------------------------------
@@ -117,7 +106,7 @@ async def local_patch(env, job: Job) -> str | None:
 def evaluate_embedded(
     model,
     tokenizer,
-    datasets: Iterable[str] | list[tuple[str, Path, list]] = DEFAULT_DATASETS,
+    datasets: Iterable[str | Dataset] = DEFAULT_DATASETS,
     *,
     samples: int = 1,
     seeds: Iterable[int] = (0,),
@@ -136,24 +125,19 @@ def evaluate_embedded(
     Args:
         model: a loaded causal LM (served by the hf engine); its train/eval mode is restored after.
             Ignored when `engine` is given (any PolicyEngine, e.g. a scripted one in tests).
-        datasets: prepared dataset names or folders, or already loaded (name, folder, tasks) triples.
+        datasets: prepared dataset names or folders, or opened datasets (datasets.store.open_dataset).
         samples, seeds: trajectories per task and seed; n in the summary counts all of them.
         temperature: 0 = greedy (the default for evaluation).
         out_dir: when given, records.jsonl, config.json and summary.json go there, and finished
             trajectories are not run again.
     """
-    from tsrl_cli.envs.tasks import make_env
-
-    datasets = list(datasets)
-    loaded = datasets if datasets and isinstance(datasets[0], tuple) else load_datasets(datasets, limit)
+    loaded = [d if isinstance(d, Dataset) else open_dataset(d, limit) for d in datasets]
     jobs = make_jobs(loaded, samples, seeds)
     config = {"model": model_name, "engine": "hf" if engine is None else type(engine).__name__,
               "temperature": temperature, "top_p": 1.0, "limits": asdict(limits), "executor": "local", "label": LABEL}
     log = open_out_dir(out_dir, config) if out_dir is not None else None
     was_training = getattr(model, "training", False)
     if engine is None:
-        from tsrl_cli.engines.hf import HFEngine
-
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         engine = HFEngine(model, pad_id=pad)  # HFEngine puts the model in eval mode
     t0 = time.perf_counter()
@@ -164,11 +148,11 @@ def evaluate_embedded(
     finally:
         if was_training:
             model.train()
-    summary = summarize(records, label=LABEL, datasets=[name for name, _, _ in loaded])
+    summary = summarize(records, label=LABEL, datasets=[d.name for d in loaded])
     summary.update(config=config, samples=samples, seeds=list(seeds), wall_s=round(time.perf_counter() - t0, 1),
                    out=str(out_dir) if out_dir is not None else None)
     if out_dir is not None:
-        write_json_atomic(Path(out_dir) / SUMMARY, summary)
+        write_json_atomic(Path(out_dir) / SUMMARY, summary, sort_keys=True)
     return summary
 
 
@@ -176,10 +160,10 @@ def run_embedded_eval(model_dir: str = DEFAULT_MODEL, datasets: Iterable[str] = 
                       out_dir: str | Path | None = None, **kw) -> dict:
     """`tsrl eval embedded`: check the inputs, load the policy directory, evaluate, write the results."""
     if not (Path(model_dir) / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: no policy directory there (no config.json); {_HINT}, "
+        raise UsageError(f"--model {model_dir}: no policy directory there (no config.json); {prepare_hint('embedded_repair_train')}, "
                          "or pass --model DIR (any save_pretrained directory with its tokenizer, e.g. a tsrl train checkpoint)")
-    loaded = load_datasets(list(datasets), kw.pop("limit", None))
-    from tsrl_cli.embedded.sft import load_policy
+    limit = kw.pop("limit", None)
+    loaded = [open_dataset(d, limit) for d in datasets]
 
     model, tok = load_policy(model_dir)
     out_dir = out_dir if out_dir is not None else Path("results/eval") / f"embedded-{Path(model_dir).resolve().name}"

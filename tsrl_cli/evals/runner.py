@@ -22,20 +22,27 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.agent.loop import AgentLimits, run_agent
+from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.datasets.store import Dataset
+from tsrl_cli.engines.base import SamplingParams, TurnBatcher
+from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.vllm import VLLMEngine
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.stats import wilson_interval
+from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
+from tsrl_cli.policy import load_policy, load_tokenizer
+from tsrl_cli.sandbox.docker import docker_unavailable_reason as sdk_reason
 
 RECORDS, SUMMARY, CONFIG = "records.jsonl", "summary.json", "config.json"
 # Settings that change what a record means: a resumed run must use the same ones.
-CONFIG_KEYS = ("model", "engine", "temperature", "top_p", "limits", "executor", "label")
+CONFIG_KEYS = ("model", "model_sha256", "engine", "temperature", "top_p", "limits", "executor", "label")
 DEFAULT_LIMITS = AgentLimits()  # the limits the embedded policy is trained with
 
 
@@ -58,32 +65,18 @@ def record_key(rec: dict) -> tuple[str, str, int, int]:
     return (rec["dataset"], rec["instance_id"], int(rec["sample"]), int(rec["seed"]))
 
 
-def make_jobs(datasets: Iterable[tuple[str, Path, list]], samples: int = 1, seeds: Iterable[int] = (0,)) -> list[Job]:
+def make_jobs(datasets: Iterable[Dataset], samples: int = 1, seeds: Iterable[int] = (0,)) -> list[Job]:
     """Every (task, sample, seed) of the datasets, dataset by dataset, in task order."""
     if samples < 1:
         raise UsageError(f"--samples {samples}: must be >= 1")
     seeds = list(seeds)
     if not seeds or len(set(seeds)) != len(seeds):
         raise UsageError(f"--seed {seeds}: give one or more distinct seeds")
-    return [Job(name, Path(d), t, k, s) for name, d, tasks in datasets for s in seeds for t in tasks
+    return [Job(ds.name, ds.path, t, k, s) for ds in datasets for s in seeds for t in ds.tasks
             for k in range(samples)]
 
 
 # -- files -----------------------------------------------------------------------------------------------------
-
-def write_json_atomic(path: str | Path, obj) -> None:
-    """Write JSON to a temporary file next to `path`, then rename it into place (never half a file)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True, default=str)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 class RecordLog:
     """records.jsonl: append-only; the last record of a key wins when read back."""
@@ -119,11 +112,7 @@ class RecordLog:
 
     def rewrite(self, records: list[dict]) -> None:
         """Replace the whole file (e.g. after grading filled in `resolved`), via temp + rename."""
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        with os.fdopen(fd, "w") as f:
-            for r in records:
-                f.write(json.dumps(r, sort_keys=True, default=str) + "\n")
-        os.replace(tmp, self.path)
+        write_jsonl_atomic(self.path, records, sort_keys=True)
 
 
 def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
@@ -138,8 +127,18 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
             k = diff[0]
             raise UsageError(f"{out} holds records made with other settings ({k}: {old.get(k)!r}, now {config.get(k)!r}); "
                              "pass another --out, or delete that folder to start over")
-    write_json_atomic(cfg_path, config)
+    write_json_atomic(cfg_path, config, sort_keys=True)
     return RecordLog(out / RECORDS)
+
+
+def load_engine(model: str, engine: str):
+    """(PolicyEngine, tokenizer) for a policy directory or hub id: `hf` (transformers) or `vllm`."""
+    if engine == "hf":
+        m, tok = load_policy(model)
+        return HFEngine(m, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0), tok
+    if engine == "vllm":
+        return VLLMEngine(model), load_tokenizer(model)
+    raise UsageError(f"--engine {engine!r}: use hf or vllm")
 
 
 # -- running ---------------------------------------------------------------------------------------------------
@@ -173,10 +172,6 @@ def run_jobs(
     An environment that cannot start with a UsageError (no isolation, no image) stops the run.
     Any other environment failure is recorded with `error: true` and is retried on resume.
     """
-    from tsrl_cli.agent.loop import run_agent
-    from tsrl_cli.agent.renderer import ChatMLRenderer
-    from tsrl_cli.engines.base import SamplingParams, TurnBatcher
-
     previous = {record_key(r): r for r in (log.load() if log else [])}
     todo = [j for j in jobs if j.key not in previous or previous[j.key].get("error")]
     results: dict[tuple, dict] = {j.key: previous[j.key] for j in jobs if j.key in previous}
@@ -314,7 +309,6 @@ def docker_unavailable_reason(timeout_s: float = 20.0) -> str | None:
     if r.returncode != 0 or not r.stdout.strip():
         lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
         return f"no Docker daemon reachable ({lines[-1] if lines else f'docker version exited {r.returncode}'})"
-    from tsrl_cli.sandbox.docker import docker_unavailable_reason as sdk_reason
 
     return sdk_reason()  # the sandbox and the swebench harness talk to the daemon through the SDK
 

@@ -4,7 +4,7 @@ A resolved rate from n trials is a binomial proportion. The Wilson score interva
 stays inside [0, 1] and keeps close to its nominal coverage at the small n and extreme rates an
 evaluation of a few dozen tasks gives, where the normal (Wald) interval collapses to a point at
 0 % or 100 %. Trials are taken as independent: with several samples of the same task they are
-not, and the interval is then narrower than it should be (README, "Evaluation").
+not, and the interval is then narrower than it should be (docs/evaluation.md).
 """
 
 from __future__ import annotations

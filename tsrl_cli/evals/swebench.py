@@ -30,22 +30,26 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits, RewardResult
+from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.envs.base import SandboxEnv
 from tsrl_cli.envs.repair import INSTRUCTION
-from tsrl_cli.errors import UsageError
+from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.runner import (
     SUMMARY,
     RecordLog,
+    load_engine,
     make_jobs,
     open_out_dir,
     require_docker,
     run_jobs,
+    select_instances,
     summarize,
-    write_json_atomic,
 )
+from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
 from tsrl_cli.sandbox import Limits
 
 HARNESS_MAJOR = 5
@@ -59,7 +63,7 @@ DEFAULT_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_
                              wall_clock_s=3600.0, max_observation_chars=10000)
 
 
-class HarnessError(RuntimeError):
+class HarnessError(OperationFailed):
     """The official harness ran and failed: nothing was graded (the CLI exits 1)."""
 
 
@@ -119,10 +123,6 @@ def check_row_parsers(rows: list[dict], where: str) -> None:
                              "parser (e.g. parse_log_pytest)")
         if r["eval_type"] not in {e.value for e in EvalType}:
             raise UsageError(f"{where}: instance {r['instance_id']}: eval_type {r['eval_type']!r} is unknown")
-
-
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    RecordLog(path).rewrite(rows)
 
 
 def predictions_from_records(records: list[dict], model_name: str) -> list[dict]:
@@ -277,13 +277,12 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
         raise UsageError("--model DIR_OR_ID is required (or --grade-only PREDICTIONS)")
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be >= 1")
-    from tsrl_cli.evals.embedded import load_datasets
-    from tsrl_cli.evals.runner import select_instances
 
-    name, d, tasks = load_datasets([dataset], hint="run `tsrl prepare-data swebench-verified` first")[0]
-    if any(t.kind != "repair" for t in tasks):
+    ds = open_dataset(dataset)
+    if any(t.kind != "repair" for t in ds.tasks):
         raise UsageError(f"{dataset}: not a repair dataset")
-    tasks = select_instances(tasks, instances, dataset)
+    ds = replace(ds, tasks=select_instances(ds.tasks, instances, dataset))
+    name, tasks = ds.name, ds.tasks
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-{Path(model).name}"
     rows = None if (no_grade or harness_dataset) else [harness_row(t) for t in tasks]
     if rows:
@@ -299,22 +298,22 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     log = open_out_dir(out, config)
     harness_ds = harness_dataset
     if rows:
-        write_jsonl(out / HARNESS_ROWS, rows)
+        write_jsonl_atomic(out / HARNESS_ROWS, rows)
         harness_ds = str((out / HARNESS_ROWS).resolve())
     pol, tok = load_engine(model, engine)
     t0 = time.perf_counter()
-    jobs = make_jobs([(name, d, tasks)], samples=1, seeds=(0,))
+    jobs = make_jobs([ds], samples=1, seeds=(0,))
     records = run_jobs(pol, tok, jobs, make_env=lambda j: SWEbenchEnv(j.task), collect_patch=_swebench_patch,
                        temperature=temperature, limits=limits, concurrency=workers, max_batch=max(8, workers),
                        log=log, progress=progress)
     preds = predictions_from_records([r for r in records if not r.get("error")], model)
-    write_jsonl(out / PREDICTIONS, preds)
+    write_jsonl_atomic(out / PREDICTIONS, preds)
     base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,
             "errors": [r["instance_id"] for r in records if r.get("error")]}
     if no_grade or not preds:
         s = summarize(records, label=label(version), datasets=[name])
         s.update(base, graded=False, wall_s=round(time.perf_counter() - t0, 1))
-        write_json_atomic(out / SUMMARY, s)
+        write_json_atomic(out / SUMMARY, s, sort_keys=True)
         return s
     report = grade(out / PREDICTIONS, harness_ds, out, run_id=out.name,
                    workers=workers, timeout_s=timeout_s, instance_ids=[p["instance_id"] for p in preds], progress=progress)
@@ -328,7 +327,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
                                                                       "empty_patch_instances", "error_instances",
                                                                       "error_ids", "schema_version")},
              wall_s=round(time.perf_counter() - t0, 1))
-    write_json_atomic(out / SUMMARY, s)
+    write_json_atomic(out / SUMMARY, s, sort_keys=True)
     return s
 
 
@@ -348,10 +347,7 @@ def _grade_only(predictions: str, dataset: str, out_dir, workers: int, timeout_s
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-grade-{Path(predictions).stem}"
     rows = None
     if Path(dataset).is_dir():  # a prepared tsrl dataset: hand the harness its rows
-        from tsrl_cli.evals.embedded import load_datasets
-
-        _, _, tasks = load_datasets([dataset], hint="run `tsrl prepare-data swebench-verified` first")[0]
-        by_id = {t.task_id: t for t in tasks}
+        by_id = {t.task_id: t for t in open_dataset(dataset).tasks}
         unknown = [p["instance_id"] for p in preds if p["instance_id"] not in by_id]
         if unknown:
             raise UsageError(f"{predictions}: instance {unknown[0]} is not in {dataset}")
@@ -363,32 +359,15 @@ def _grade_only(predictions: str, dataset: str, out_dir, workers: int, timeout_s
     harness_ds = dataset
     if rows:
         check_row_parsers(rows, dataset)
-        write_jsonl(out / HARNESS_ROWS, rows)
+        write_jsonl_atomic(out / HARNESS_ROWS, rows)
         harness_ds = str((out / HARNESS_ROWS).resolve())
     sub = out / PREDICTIONS
     if Path(predictions).resolve() != sub.resolve():
-        write_jsonl(sub, preds)
+        write_jsonl_atomic(sub, preds)
     t0 = time.perf_counter()
     report = grade(sub, harness_ds, out, run_id=out.name, workers=workers, timeout_s=timeout_s,
                    instance_ids=[p["instance_id"] for p in preds], progress=progress)
     s = summary_from_report(report, [p["instance_id"] for p in preds], "swebench", label(version))
     s.update(out=str(out), predictions=str(sub), graded=True, wall_s=round(time.perf_counter() - t0, 1))
-    write_json_atomic(out / SUMMARY, s)
+    write_json_atomic(out / SUMMARY, s, sort_keys=True)
     return s
-
-
-def load_engine(model: str, engine: str):
-    """(PolicyEngine, tokenizer) for a model directory or hub id: `hf` (transformers) or `vllm`."""
-    if engine == "hf":
-        from tsrl_cli.embedded.sft import load_policy
-        from tsrl_cli.engines.hf import HFEngine
-
-        m, tok = load_policy(model)
-        return HFEngine(m, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0), tok
-    if engine == "vllm":
-        from transformers import AutoTokenizer
-
-        from tsrl_cli.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model), AutoTokenizer.from_pretrained(model)
-    raise UsageError(f"--engine {engine!r}: use hf or vllm")

@@ -30,17 +30,20 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
     SUMMARY,
+    load_engine,
     make_jobs,
     open_out_dir,
     require_docker,
     run_jobs,
+    select_instances,
     summarize,
-    write_json_atomic,
 )
+from tsrl_cli.files import write_json_atomic
 
 DOCKER_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=180.0,
                             wall_clock_s=900.0, max_observation_chars=10000)
@@ -81,16 +84,12 @@ class DockerTerminalEnv(TerminalEnv):
 
 
 def _select(dataset: str, limit: int | None, instances: list[str] | None):
-    from tsrl_cli.datasets.records import read_manifest
-    from tsrl_cli.evals.embedded import load_datasets
-    from tsrl_cli.evals.runner import select_instances
-
-    name, d, tasks = load_datasets([dataset], None, hint="prepare it with `tsrl prepare-data terminal-bench --from DIR` "
-                                   "(or `tsrl prepare-data embedded`)")[0]
-    if any(t.kind != "terminal" for t in tasks):
+    ds = open_dataset(dataset, hint="prepare it with `tsrl prepare-data terminal-bench --from DIR` "
+                                    "(or `tsrl prepare-data embedded`)")
+    if any(t.kind != "terminal" for t in ds.tasks):
         raise UsageError(f"{dataset}: not a terminal-task dataset")
-    tasks = select_instances(tasks, instances, dataset)
-    return name, d, tasks[:limit] if limit else tasks, read_manifest(d).get("source", "?")
+    tasks = select_instances(ds.tasks, instances, dataset)
+    return replace(ds, tasks=tasks[:limit] if limit else tasks)
 
 
 def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", engine: str = "hf", samples: int = 1,
@@ -101,7 +100,8 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
 
     `policy` = (engine, tokenizer) skips loading `model` (tests pass a scripted engine).
     """
-    name, d, tasks, source = _select(dataset, limit, instances)
+    ds = _select(dataset, limit, instances)
+    name, tasks, source = ds.name, ds.tasks, ds.manifest.get("source", "?")
     if executor == "docker":
         no_image = [t.task_id for t in tasks if not t.docker_image]
         if no_image:
@@ -129,8 +129,6 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-{name}-{Path(model_name).name}"
     log = open_out_dir(out, config)
     if policy is None:
-        from tsrl_cli.evals.swebench import load_engine
-
         policy = load_engine(model, engine)
     pol, tok = policy
 
@@ -140,11 +138,11 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
         return TerminalEnv(job.task, job.dataset_dir, executor="local")
 
     t0 = time.perf_counter()
-    records = run_jobs(pol, tok, make_jobs([(name, d, tasks)], samples, seeds), make_env=make_env, temperature=temperature,
+    records = run_jobs(pol, tok, make_jobs([ds], samples, seeds), make_env=make_env, temperature=temperature,
                        limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress)
     s = summarize(records, label=lab, datasets=[name])
     s.update(config=config, samples=samples, seeds=list(seeds), out=str(out), wall_s=round(time.perf_counter() - t0, 1))
-    write_json_atomic(out / SUMMARY, s)
+    write_json_atomic(out / SUMMARY, s, sort_keys=True)
     return s
 
 
@@ -177,7 +175,8 @@ def run_via_harbor(*, dataset: str, served_model: str, endpoint: str, agent: str
                    workers: int = 4, limit: int | None = None, instances: list[str] | None = None,
                    out_dir: str | Path | None = None) -> dict:
     """Delegate to `harbor run` (see module docstring); returns the command, its exit code, its jobs folder."""
-    name, d, tasks, _ = _select(dataset, limit, instances)
+    ds = _select(dataset, limit, instances)
+    name, d, tasks = ds.name, ds.path, ds.tasks
     tb1 = [t.task_id for t in tasks if t.format != "harbor"]
     if tb1:
         raise UsageError(f"{len(tb1)} task(s) are Terminal-Bench 1.x (e.g. {tb1[0]}); harbor runs Harbor-format tasks")
@@ -202,5 +201,5 @@ def run_via_harbor(*, dataset: str, served_model: str, endpoint: str, agent: str
     res = {"via": "harbor", "label": f"{name} via harbor ({agent} agent, scored by harbor)", "command": cmd,
            "exit_code": rc, "jobs_dir": str(out / "harbor" / job_name),
            "note": "scores are harbor's own (its printed table and result.json in jobs_dir); tsrl does not re-score them"}
-    write_json_atomic(out / "harbor_run.json", res)
+    write_json_atomic(out / "harbor_run.json", res, sort_keys=True)
     return res

@@ -1,4 +1,5 @@
-"""The one aggregation every table uses (PAPER.md, "Measurement discipline").
+"""The one aggregation every table uses (the ThunderSyncRL report's measurement
+discipline: 40 rounds per seed, rounds 1-4 warm-up, seeds 42-44).
 
 Rounds 1..warmup (default 4) are warm-up and dropped; rounds warmup+1..last_round (default 5..40)
 are reduced per seed (mean, or max for peaks); then mean, std (n-1) and a 95 % Student-t interval

@@ -13,18 +13,18 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
+from tsrl_cli.files import write_atomic
 from tsrl_cli.report import plots, tables
 from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS
 from tsrl_cli.report.load import Run, config_value, find_runs
 
-# PAPER.md (the digest of the article), verbatim numbers; none of them was measured by this project.
+# the ThunderSyncRL technical report (2026-10-05), as this project digested it: verbatim numbers, none of
+# them measured by this project.
 PAPER_SETUP = "one node of 8 B200 GPUs, Qwen-3.8-27B, SWE-smith / SETA-Env tasks"
 OURS_SETUP = "CPU, tiny model, embedded tasks"
 PAPER = {
@@ -143,24 +143,6 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
 # ---------------------------------------------------------------------------- writing
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def to_csv(rows: list[dict]) -> str:
     cols = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
@@ -200,7 +182,7 @@ def _figure(folder: Path, name: str, rows: list[dict], draw, n_axes: int) -> Non
 
 
 def _check_discipline(runs: list[Run], notes: list[str]) -> None:
-    """The paper's rule: every row of an experiment uses the same seed list (PAPER.md)."""
+    """The paper's rule: every row of an experiment uses the same seed list."""
     seeds: dict[str, dict[str, set]] = {}
     for r in runs:
         seeds.setdefault(r.experiment, {}).setdefault(r.schedule, set()).add(r.seed)
@@ -284,8 +266,8 @@ def _report_md(opts: ReportOptions, runs: list[Run], t: dict[str, tables.Table],
         f"From `{opts.results_dir}`: {len(runs)} runs, {len({r.experiment for r in runs})} experiments, "
         f"schedules {', '.join(sorted({r.schedule for r in runs})) or '–'}, seeds {', '.join(map(str, seeds)) or '–'}"
         + (" (partial runs included)" if opts.include_partial else " (runs without DONE skipped)") + ".", "",
-        (f"- **paper**: {PAPER_SETUP}; 40 rounds, seeds 42, 43, 44 (numbers from shared/paper/PAPER.md, "
-         "not measured here)."),
+        (f"- **paper**: {PAPER_SETUP}; 40 rounds, seeds 42, 43, 44 (numbers from the ThunderSyncRL technical "
+         "report, 2026-10-05; not measured here)."),
         f"- **ours**: {OURS_SETUP}" + (f" (models in config: {', '.join(models)})" if models else "")
         + ". The two columns are different hardware, models and tasks: compare shapes and ratios, not seconds.",
         (f"- Rounds 1-{opts.warmup} are warm-up and excluded; rounds {opts.warmup + 1}-{opts.last_round} are "

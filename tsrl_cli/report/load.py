@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 _SEED_DIR = re.compile(r"seed(-?\d+)$")
 
 
@@ -118,7 +120,6 @@ def _merged_rounds(p: Path) -> tuple[dict[int, dict], int]:
 def _read_config(p: Path, notes: list[str]) -> dict:
     if not p.is_file():
         return {}
-    import yaml
 
     try:
         cfg = yaml.safe_load(p.read_text())

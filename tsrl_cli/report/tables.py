@@ -11,8 +11,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tsrl_cli.errors import UsageError
+from tsrl_cli.predict import load_trace, predict_rounds
 from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS, aggregate, over_seeds, seed_value
-from tsrl_cli.report.load import Run
+from tsrl_cli.report.load import Run, config_value, flat_config, read_jsonl
 
 SCHEDULE_ORDER = {"sync": 0, "stream": 1, "async": 2}
 ROLLING_ROUNDS = 5  # the reward used for targets and budgets: mean of the last 5 rounds' reward
@@ -234,9 +236,6 @@ def budget_table(runs: list[Run], budget_core_s: float | None = None, reward_key
 def prediction_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS,
                     last_round: int = LAST_ROUND) -> tuple[list[dict], list[str]]:
     """One row per run and counted round: the event model on the run's own events against its step time."""
-    from tsrl_cli.errors import UsageError
-    from tsrl_cli.predict import load_trace, predict_rounds
-
     rows, notes = [], []
     for run in runs:
         if not run.events_path.is_file():
@@ -337,8 +336,6 @@ def prediction_table(pred: list[dict], paired: list[dict]) -> Table:
 
 def spread_rows(runs: list[Run], steps: Table, pred: list[dict], key: str) -> tuple[list[dict], str | None]:
     """Speedup against the experiment's spread value (config key, dotted); a note when unusable."""
-    from tsrl_cli.report.load import config_value, flat_config
-
     xs: dict[str, set] = {}
     for r in runs:
         xs.setdefault(r.experiment, set()).add(_hashable(config_value(r.config, key)))
@@ -401,8 +398,6 @@ def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[list[dict]
     after the warm-up (else the last round both have). Returns the rows and a one-line description
     (or why there is no figure).
     """
-    from tsrl_cli.report.load import read_jsonl
-
     groups = cells(runs)
     for exp in dict.fromkeys(e for e, _ in groups):
         sync = {r.seed: r for r in groups.get((exp, "sync"), []) if r.events_path.is_file()}

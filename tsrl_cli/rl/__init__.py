@@ -1,14 +1,14 @@
 """The round engine: rollout, teacher and learner processes, and the orchestrator that drives rounds.
 
+  learner.py          Objective, the lazy loss and the StreamLearner: one round's gradient, two timings
+  schedules.py        sync | stream | async: the same learner, only the timing differs
   types.py            what flows between processes (round plans, trajectories, turns)
   tasks.py            task tables (prepared datasets or builtin:echo) and the per-round draw
   toy.py              builtin:echo tasks and the builtin:toy policy (tests, benchmarks)
   rollout_worker.py   policy engine + concurrent agent sessions; emits trajectories / turns
   teacher_worker.py   OPD: scores each model turn the moment it closes
   learner_worker.py   model + optimizer; one step per round; publishes weights; checkpoints
-  schedules.py        sync | stream | async: the same learner, only the timing differs
   runlog.py           the run directory (docs/run-directory.md)
-  process.py          per-process setup (one torch thread), peak memory, error reporting
   train.py            the orchestrator: `tsrl train` as a library function
   bench.py            `tsrl bench speedup`
 

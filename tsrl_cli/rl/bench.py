@@ -16,16 +16,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
+from tsrl_cli.errors import UsageError
+from tsrl_cli.predict import load_trace, predict_trace
 from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.train import train
 
 
 def _predicted(run_dir: Path, warmup: int) -> dict | None:
-    """tsrl_cli.predict on a run's own trace; None when that module is absent or fails."""
-    try:
-        from tsrl_cli.predict import load_trace, predict_trace
-    except ImportError:
-        return None
+    """tsrl_cli.predict on a run's own trace; {"error": ...} when the prediction fails."""
     try:
         doc = predict_trace(load_trace(run_dir), warmup=warmup)
     except Exception as e:  # noqa: BLE001 - a prediction problem must not lose the measurements
@@ -39,8 +37,6 @@ def bench_speedup(base: TrainConfig, out_root: str | Path, *, schedules: tuple[s
     """Run base under each schedule (`repeats` cycles, alternating) and compare their step times."""
     progress = progress or (lambda ev: None)
     if warmup >= base.rounds:
-        from tsrl_cli.errors import UsageError
-
         raise UsageError(f"--warmup {warmup} leaves no measured round of {base.rounds}; raise --rounds")
     out_root = Path(out_root)
     runs = []

@@ -12,33 +12,28 @@ The reference model for a KL term is the initial policy (frozen), scored here pe
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
 
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.learner import Objective
-from tsrl_cli.rl.process import (
+from tsrl_cli.devices import device_of
+from tsrl_cli.policy import load_policy, param_bytes, save_policy, score_tokens, trainable_state
+from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
     peak_rss_bytes,
     reset_peak_device,
     reset_peak_rss,
 )
+from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone
 from tsrl_cli.rollouts import Rollout
 
 now = time.monotonic
-
-
-def objective_from(cfg: TrainConfig) -> Objective:
-    lc = cfg.loss
-    return Objective(kind=cfg.objective, loss_agg=lc.loss_agg, adv_norm=lc.adv_norm, kl_coef=lc.kl_coef,
-                     kl_type=lc.kl_type, entropy_coef=lc.entropy_coef, opd_form=lc.opd_form, opd_coef=lc.opd_coef,
-                     global_batch_size=lc.global_batch_size, norm_constant=lc.norm_constant).validate()
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -51,22 +46,21 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 class Learner:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, run_dir: str,
                  inbox, weights_q, report_q):
-        from tsrl_cli.rl.placement import device_of, load_trained_policy, param_bytes
-        from tsrl_cli.rl.rollout_worker import load_policy_model
-
         self.cfg, self.inbox, self.weights_q, self.report_q = cfg, inbox, weights_q, report_q
         self.run_dir = Path(run_dir)
         self.device = device_of(cfg, "learner")
-        self.model, self.tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)
+        self.model, self.tok = load_policy(init_dir, dtype=cfg.model.dtype, device=self.device, lora=cfg.lora,
+                                           seed=cfg.seed, base=policy_dir)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         self.model_bytes = param_bytes(self.model)
         self.trainable_bytes = param_bytes(self.model, trainable_only=True)
-        self.obj = objective_from(cfg)
+        self.obj = Objective(cfg.objective, cfg.loss)
         self.opt = make_optimizer(self.params, cfg)
         opt_state = Path(init_dir) / "optimizer.pt"
         if opt_state.is_file():  # resuming: the optimizer continues exactly where it stopped
             self.opt.load_state_dict(torch.load(opt_state, weights_only=True))
-        self.ref = load_policy_model(policy_dir, cfg.model.dtype, self.device)[0] if cfg.loss.kl_coef else None
+        self.ref = (load_policy(policy_dir, dtype=cfg.model.dtype, device=self.device, tokenizer=False)[0]
+                    if cfg.loss.kl_coef else None)
         self.version = start_version
         self._last_progress = 0.0
 
@@ -84,9 +78,7 @@ class Learner:
     def with_ref(self, r: Rollout) -> Rollout:
         """Attach the reference (initial policy) log-probs when the objective has a KL term."""
         if self.ref is not None:
-            from tsrl_cli.verify import sequence_logprobs
-
-            r.ref_logprobs = sequence_logprobs(self.ref, [r])[0]
+            r.ref_logprobs = score_tokens(self.ref, r.input_ids)
         return r
 
     def progress(self, round_: int, work: RoundWork) -> None:
@@ -112,39 +104,21 @@ class Learner:
     def publish(self) -> dict:
         """Send the new weights to the rollout process: a safetensors blob (exact in every dtype) of the
         trained parameters only (every parameter, or the LoRA adapters)."""
-        from safetensors.torch import save
-
-        from tsrl_cli.rl.placement import trainable_state
-
         t0 = now()
         blob = save({n: t.cpu() for n, t in trainable_state(self.model).items()})
         self.weights_q.put((self.version, blob, t0))
         return {"start": t0, "end": now(), "bytes": len(blob)}
 
     def save_checkpoint(self, round_: int) -> str:
-        """checkpoints/round-<k>/: save_pretrained (safetensors) + tokenizer + optimizer.pt + state.json;
-        with LoRA the merged model plus adapter/ (what --resume loads).
+        """checkpoints/round-<k>/: the policy (save_pretrained + tokenizer; with LoRA the merged model plus
+        adapter/, which --resume loads), optimizer.pt and state.json, written atomically (policy.save_policy)."""
 
-        Written to a temporary folder, then renamed: a crash never leaves half a checkpoint.
-        """
-        from tsrl_cli.rl.placement import ADAPTER_DIR, save_merged
+        def extra(d: Path) -> None:
+            torch.save(self.opt.state_dict(), d / "optimizer.pt")
+            (d / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
+                                                      "schedule": self.cfg.schedule, "seed": self.cfg.seed}))
 
-        final = self.run_dir / "checkpoints" / f"round-{round_}"
-        tmp = final.with_name(f".{final.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        if self.cfg.lora.rank > 0:
-            save_merged(self.model, tmp)
-            self.model.save_pretrained(str(tmp / ADAPTER_DIR))
-        else:
-            self.model.save_pretrained(str(tmp))
-        self.tok.save_pretrained(str(tmp))
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
-                                                    "schedule": self.cfg.schedule, "seed": self.cfg.seed}))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return str(final)
+        return str(save_policy(self.model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, plans: list[RoundPlan], save_initial: bool) -> None:

@@ -13,32 +13,35 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import queue
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
+from safetensors.torch import load
+
+from tsrl_cli.agent.latency import ToolLatency
+from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
+from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.rl.process import (
+from tsrl_cli.devices import device_of
+from tsrl_cli.engines.base import SamplingParams, TurnBatcher
+from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.vllm import VLLMEngine
+from tsrl_cli.policy import load_policy, load_tokenizer
+from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
     peak_rss_bytes,
     reset_peak_device,
     reset_peak_rss,
 )
+from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
-
-
-def load_policy_model(model_dir: str, dtype_name: str, device: str = "cpu"):
-    """(model, tokenizer) in the run's dtype on `device`; float64 models keep float64 norms (models.prepare)."""
-    import transformers
-
-    from tsrl_cli.embedded.sft import load_policy
-    from tsrl_cli.models import DTYPES, prepare
-
-    transformers.utils.logging.disable_progress_bar()
-    model, tok = load_policy(model_dir, DTYPES[dtype_name])
-    return prepare(model, DTYPES[dtype_name]).to(device), tok
+from tsrl_cli.rollouts import Rollout
 
 
 def vllm_engine(cfg: TrainConfig, model_dir: str, device: str):
@@ -51,14 +54,6 @@ def vllm_engine(cfg: TrainConfig, model_dir: str, device: str):
     reproducible for fixed weights, but vLLM's kernels are not the learner's: behavior_logprobs
     differ from the learner's log-probs by kernel rounding (the float64 exactness checks use hf).
     """
-    import json
-    import os
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    from tsrl_cli.engines.vllm import VLLMEngine
-
     if device.startswith("cuda:"):
         os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -67,20 +62,12 @@ def vllm_engine(cfg: TrainConfig, model_dir: str, device: str):
     max_len = min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens
     engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=max_len,
                         gpu_memory_utilization=ro.vllm_memory_fraction, enforce_eager=device == "cpu")
-    return engine, AutoTokenizer.from_pretrained(model_dir)
+    return engine, load_tokenizer(model_dir)
 
 
 class RolloutWorker:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, weights_q,
                  report_q):
-        from tsrl_cli.agent.latency import ToolLatency
-        from tsrl_cli.agent.loop import AgentLimits
-        from tsrl_cli.agent.renderer import ChatMLRenderer
-        from tsrl_cli.engines.base import SamplingParams, TurnBatcher
-        from tsrl_cli.engines.hf import HFEngine
-        from tsrl_cli.rl.placement import device_of, load_trained_policy
-        from tsrl_cli.rl.tasks import load_task_table
-
         self.cfg, self.out_q, self.weights_q, self.report_q = cfg, out_q, weights_q, report_q
         ro = cfg.rollout
         self.device = device_of(cfg, "rollout")
@@ -89,7 +76,8 @@ class RolloutWorker:
             if self.device.startswith("cuda:"):  # CUDA_VISIBLE_DEVICES=N: this process now sees it as cuda:0
                 self.device = "cuda:0"
         else:
-            model, tok = load_trained_policy(cfg, init_dir, policy_dir, self.device)  # LoRA: the same adapters
+            model, tok = load_policy(init_dir, dtype=cfg.model.dtype, device=self.device, lora=cfg.lora, seed=cfg.seed,
+                                     base=policy_dir)  # LoRA: the learner's adapters, drawn from the same seed
             self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
         self.engine.version = start_version
         self.batcher = TurnBatcher(self.engine, max_batch=ro.max_batch)
@@ -111,8 +99,6 @@ class RolloutWorker:
         On-policy schedules need exactly the previous round's weights (need = round - 1). Only
         the newest message is loaded; `async` skips versions it never needed.
         """
-        from safetensors.torch import load
-
         newest = None
         while True:
             have = newest[0] if newest else self.engine.version
@@ -170,10 +156,6 @@ class RolloutWorker:
         return report
 
     async def run_one(self, round_: int, version: int, spec: GroupSpec, i: int) -> TrajectoryDone:
-        from tsrl_cli.agent.loop import SYSTEM_PROMPT, run_agent
-        from tsrl_cli.rl.tasks import make_task_env
-        from tsrl_cli.rollouts import Rollout
-
         opd = self.cfg.objective == "opd"
 
         def on_turn(traj, k: int) -> None:  # OPD: the turn goes to the teacher as it closes

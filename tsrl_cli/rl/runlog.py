@@ -14,19 +14,11 @@ JSONL rows are appended one whole line per write.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from tsrl_cli.files import write_atomic, write_json_atomic, write_jsonl_atomic
+
 FILES = ("metrics.jsonl", "events.jsonl", "rollouts.jsonl")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
 
 
 class RunLog:
@@ -76,10 +68,10 @@ class RunLog:
             rows = self.rows(name)
             kept = [r for r in rows if r.get("round", 0) <= k]
             if len(kept) != len(rows):
-                write_atomic(self.root / name, "".join(json.dumps(r) + "\n" for r in kept))
+                write_jsonl_atomic(self.root / name, kept)
 
     def write_done(self, summary: dict) -> None:
-        write_atomic(self.done_path, json.dumps(summary, indent=1) + "\n")
+        write_json_atomic(self.done_path, summary)
 
     def remove_done(self) -> None:
         self.done_path.unlink(missing_ok=True)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsrl_cli.core.losses import agg_loss, kl_penalty, pg_token_loss
 from tsrl_cli.core.offpolicy import tis_weights
-from tsrl_cli.learner import Objective, StreamLearner, lazy_loss
+from tsrl_cli.rl.learner import StreamLearner, lazy_loss, pad_rows
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnScored
 from tsrl_cli.rollouts import Rollout
 
@@ -88,8 +87,7 @@ def _check_on_policy(learner, msg) -> int:
 
 def learn_stream(learner, plan: RoundPlan) -> RoundWork:
     """Backward each item the moment it arrives; join with one scalar at round close."""
-    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes(),
-                       max_open_groups=learner.cfg.loss.max_open_groups)
+    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes())
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
     for msg in learner.arrivals(plan):
         staleness = _check_on_policy(learner, msg)
@@ -150,8 +148,7 @@ def learn_sync(learner, plan: RoundPlan) -> RoundWork:
 
 def _per_item_backward(learner, plan: RoundPlan, work: RoundWork) -> RoundWork:
     """Every item backwarded alone, in key order (groups one after another), after the last arrival."""
-    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes(),
-                       max_open_groups=learner.cfg.loss.max_open_groups)
+    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes())
     t0 = now()
     for r in sorted(work.rollouts, key=lambda r: r.key):
         r = learner.with_ref(r)
@@ -186,46 +183,23 @@ def learn_async(learner, plan: RoundPlan) -> RoundWork:
         return s
 
     cap = learner.cfg.offpolicy.tis_cap
-    loss_fn = lazy_loss if cap is None else (lambda m, rs, obj: tis_lazy_loss(m, rs, obj, cap))
+    loss_fn = lazy_loss if cap is None else (lambda m, rs, obj: lazy_loss(m, rs, obj, token_weights=tis(rs, cap)))
     return _batched_backward(learner, _collect(learner, plan, check), loss_fn)
 
 
-SCHEDULES = {"sync": learn_sync, "stream": learn_stream, "async": learn_async}
-
-
-def tis_lazy_loss(model, rollouts: list[Rollout], obj: Objective, cap: float) -> torch.Tensor:
-    """lazy_loss with each token's policy-gradient term multiplied by its TIS weight (async only).
-
-    w = min(exp(logp_old - logp_behavior), cap), detached, with logp_old the learner's own log-probs
-    (one step per round: the current weights). KL and entropy terms are not reweighted (verl).
-    """
-    from tsrl_cli.learner import _forward, _opd_main, _pad, check_inputs, grpo_advantages
-
-    check_inputs(rollouts, obj)
+def tis(rollouts: list[Rollout], cap: float):
+    """lazy_loss's token weights for truncated importance sampling (async only, core.offpolicy.tis_weights):
+    w = min(exp(logp_old - logp_behavior), cap), detached, with logp_old the learner's own log-probs of the
+    batch (one step per round: the current weights) and logp_behavior what the rollout engine sampled with."""
     for r in rollouts:
         if r.behavior_logprobs is None:
             raise ValueError(f"rollout {r.key}: TIS needs behavior_logprobs")
-    device = next(model.parameters()).device
-    T = max(len(r.input_ids) for r in rollouts)
-    ids = _pad([r.input_ids for r in rollouts], T, torch.long, device)
-    attn = _pad([[1] * len(r.input_ids) for r in rollouts], T, torch.long, device)
-    mask = _pad([r.loss_mask for r in rollouts], T, torch.long, device)
-    logp, ent = _forward(model, ids, attn, obj.entropy_coef != 0)  # (B, T)
 
-    def aligned(name):
-        return _pad([getattr(r, name) for r in rollouts], T, logp.dtype, device)
+    def weights(logp_B_T: torch.Tensor) -> torch.Tensor:
+        behavior = pad_rows([r.behavior_logprobs for r in rollouts], logp_B_T.shape[1], logp_B_T.dtype, logp_B_T.device)
+        return tis_weights(logp_B_T, behavior, cap)
 
-    w = tis_weights(logp, aligned("behavior_logprobs"), cap)  # (B, T), detached
-    if obj.kind == "grpo":
-        adv = grpo_advantages(rollouts, obj)
-        adv_B_1 = torch.tensor([[adv[r.key]] for r in rollouts], dtype=torch.float64).to(device=logp.device, dtype=logp.dtype)
-        main = pg_token_loss(logp, adv_B_1) * w
-    else:
-        main = _opd_main(obj, logp, aligned("teacher_logprobs")) * w
-    agg = {"mode": obj.loss_agg, "global_batch_size": obj.global_batch_size, "norm_constant": obj.norm_constant}
-    loss = agg_loss(main, mask, **agg)
-    if obj.kl_coef:
-        loss = loss + obj.kl_coef * agg_loss(kl_penalty(logp, aligned("ref_logprobs"), obj.kl_type), mask, **agg)
-    if obj.entropy_coef:
-        loss = loss - obj.entropy_coef * agg_loss(ent, mask, **agg)
-    return loss
+    return weights
+
+
+SCHEDULES = {"sync": learn_sync, "stream": learn_stream, "async": learn_async}

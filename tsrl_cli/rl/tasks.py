@@ -9,33 +9,25 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.engines.base import request_seed
+from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rl.toy import ECHO, EchoEnv, echo_tasks
 from tsrl_cli.rl.types import GroupSpec, RoundPlan
 
-EMBEDDED = ("embedded_repair_train", "embedded_terminal_train", "embedded_repair_heldout", "embedded_terminal_heldout")
-
 
 def load_task_table(datasets: tuple[str, ...], limit: int | None = None) -> dict[str, tuple[Path | None, object]]:
     """key -> (dataset folder, task), in dataset order then task order."""
-    from tsrl_cli.envs.tasks import open_dataset
-
     table: dict[str, tuple[Path | None, object]] = {}
     for name in datasets:
         if name == ECHO:
             for t in echo_tasks()[:limit]:
                 table[f"echo/{t.task_id}"] = (None, t)
             continue
-        try:
-            d, _, tasks = open_dataset(name)
-        except UsageError:
-            if Path(name).name in EMBEDDED:
-                raise UsageError(f"dataset {name} is not prepared (data/{Path(name).name} is missing): "
-                                 "run `tsrl prepare-data embedded` first") from None
-            raise
-        for t in tasks[:limit]:
-            table[f"{d.name}/{t.task_id}"] = (d, t)
+        ds = open_dataset(name, limit)
+        for t in ds.tasks:
+            table[f"{ds.name}/{t.task_id}"] = (ds.path, t)
     if not table:
         raise UsageError(f"no tasks in {', '.join(datasets)}")
     return table
@@ -46,7 +38,6 @@ def make_task_env(entry: tuple[Path | None, object], executor: str = "local"):
     d, task = entry
     if getattr(task, "kind", None) == "echo":
         return EchoEnv(task)
-    from tsrl_cli.envs.tasks import make_env
 
     return make_env(task, d, executor=executor)
 

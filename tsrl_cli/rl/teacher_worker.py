@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.rl.process import (
+from tsrl_cli.devices import device_of
+from tsrl_cli.policy import load_policy, score_tokens
+from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
     peak_rss_bytes,
@@ -25,27 +25,10 @@ from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnClosed, TurnScored
 from tsrl_cli.rollouts import Rollout
 
 
-@torch.no_grad()
-def score_turn(model, ids_T: list[int], start: int, end: int) -> list[float]:
-    """Teacher log-probs of ids[start:end] given ids[:j] for each j (float64 Python floats).
-
-    Only the logits that predict the turn's tokens are computed (positions start-1 .. end-2).
-    """
-    ids = torch.tensor([ids_T[:end]], dtype=torch.long, device=next(model.parameters()).device)
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=end - start + 1).logits[0, :-1]  # (end-start, V)
-    if logits.dtype in (torch.bfloat16, torch.float16):
-        logits = logits.float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, start:end, None]).squeeze(-1)
-    return lp.double().tolist()
-
-
 class TeacherWorker:
     def __init__(self, cfg: TrainConfig, teacher_dir: str, in_q, out_q, report_q):
-        from tsrl_cli.rl.placement import device_of
-        from tsrl_cli.rl.rollout_worker import load_policy_model
-
         self.device = device_of(cfg, "teacher")
-        self.model, _ = load_policy_model(teacher_dir, cfg.model.dtype, self.device)
+        self.model, _ = load_policy(teacher_dir, dtype=cfg.model.dtype, device=self.device, tokenizer=False)
         self.in_q, self.out_q, self.report_q = in_q, out_q, report_q
 
     def run_round(self, plan: RoundPlan) -> dict:
@@ -61,7 +44,7 @@ class TeacherWorker:
                 s, e = msg.turn_spans[msg.turn]
                 buf = scores.setdefault((msg.group_id, msg.sample_index), [])
                 buf += [0.0] * (e - len(buf))
-                buf[s:e] = score_turn(self.model, msg.input_ids, s, e)
+                buf[s:e] = score_tokens(self.model, msg.input_ids, s, e)
                 spans = [tuple(sp) for sp in msg.turn_spans] + [(e, e)]  # placeholder: turns still to come
                 partial = Rollout(msg.group_id, msg.sample_index, msg.input_ids, msg.loss_mask, 0.0, spans,
                                   teacher_logprobs=list(buf[:e]))

