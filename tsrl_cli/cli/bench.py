@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt, SetOpt
 from tsrl_cli.errors import UsageError
 
 bench_app = typer.Typer(name="bench", help="Benchmarks of the round engine.", no_args_is_help=True,
@@ -48,8 +49,8 @@ def speedup(
     sync_batching: Annotated[str | None, typer.Option(help="How sync computes its gradient: padded (one padded batch, default) | per_item (stream's own per-item backwards after the last arrival: the same learner work, so the speedup is overlap alone).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of every run.")] = None,
     out: Annotated[str | None, typer.Option(help="Folder for the runs (default results/bench/<name>-<time>).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key (repeatable).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """Run one workload under each schedule and print step time, speedup over sync, idle and memory."""
     from tsrl_cli.cli.train import TrainDisplay

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt
 from tsrl_cli.errors import UsageError
 
 env_app = typer.Typer(
@@ -37,7 +38,7 @@ def exec_(
     image: Annotated[str | None, typer.Option(help="Docker image (docker executor).")] = None,
     timeout_s: Annotated[float, typer.Option(help="Wall-clock limit in seconds; the whole process tree is killed at it.")] = 60.0,
     allow_unisolated: Annotated[bool, typer.Option("--allow-unisolated", help="Run without isolation when neither bwrap nor unshare is available (unsafe for untrusted tasks).")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Run COMMAND in a fresh sandbox of the task and report its output, exit code, duration and limits."""
     from tsrl_cli.console import err_console
@@ -81,7 +82,7 @@ def exec_(
 def list_(
     dataset: Annotated[str | None, typer.Option(help="Prepared dataset to list the tasks of (default: list the datasets under data/).")] = None,
     limit: Annotated[int, typer.Option(help="Show at most this many tasks (0 = all).")] = 50,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """List prepared datasets, or the tasks of one (ids first)."""
     from tsrl_cli.console import console, err_console

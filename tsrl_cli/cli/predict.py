@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt
 
 
 def predict(
@@ -20,7 +21,7 @@ def predict(
     tool_speed: Annotated[float, typer.Option(help="What if: rollouts X times faster (arrival times / X).")] = 1.0,
     spread: Annotated[float, typer.Option(help="What if: arrival deviations from the median arrival times X (clipped at 0).")] = 1.0,
     warmup: Annotated[int, typer.Option(help="Rounds 1..N are warm-up: left out of the summary when later rounds exist.")] = 4,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Predict step time under sync, stream and async, the speedup (sync / stream) and its ceiling.
 

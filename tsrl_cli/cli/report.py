@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt
 
 
 def report(
@@ -21,7 +22,7 @@ def report(
     budget_core_s: Annotated[float | None, typer.Option(help="Budget in core-seconds for reward-at-budget (default: per experiment, the smallest total core_s of its runs).")] = None,
     reward_key: Annotated[str, typer.Option(help="metrics.jsonl key used as the reward (e.g. eval/<dataset>/success).")] = "reward_mean",
     include_partial: Annotated[bool, typer.Option("--include-partial", help="Count runs without DONE (marked partial) instead of skipping them.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Write tables (CSV + Markdown), figures (PNG + CSV) and REPORT.md, each number beside the paper's."""
     from tsrl_cli.console import console, progress_printer

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt, SetOpt
 
 SWEEP_EPILOG = (
     "Config precedence per run: defaults < EXPERIMENT.yaml < --set key=value < --rounds, then the sweep sets "
@@ -24,10 +25,10 @@ def sweep(
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds, the same list for every schedule.")] = "42,43,44",
     rounds: Annotated[int | None, typer.Option(help="Rounds per run. Default: each experiment file's `rounds`.")] = None,
     warmup: Annotated[int, typer.Option(help="Warm-up rounds left out of averages (recorded in OUT/sweep.json for tsrl report; training ignores it).")] = 4,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key in every experiment: --set rollout.max_turns=4 (repeatable).")] = None,
+    set_: SetOpt = None,
     out: Annotated[str, typer.Option(help="Results directory: runs go to OUT/<experiment>/<schedule>/seed<k>/.")] = "results",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and run nothing.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document (plan and per-run outcome) on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Run experiments over schedules and seeds with resume: runs with DONE are skipped.
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt, SetOpt
 
 TRAIN_EPILOG = (
     "Config precedence: defaults < EXPERIMENT.yaml < --set key=value < flags. "
@@ -53,8 +54,8 @@ def train(
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. Default 0: only at the end.")] = None,
     save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts", help="Write rollouts.jsonl.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in the run directory from its last checkpoint.")] = False,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set rollout.max_turns=4 (repeatable).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document (the summary) on stdout.")] = False,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
 ) -> None:
     """Train a policy with RL: rollout, teacher and learner processes, one optimizer step per round.
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
+from tsrl_cli.cli._options import JsonOpt
 
 
 def verify(
@@ -33,7 +34,7 @@ def verify(
     group_size: Annotated[int, typer.Option(help="Random rollouts: samples per group.")] = 8,
     max_open_groups: Annotated[int | None, typer.Option(help="Cap on groups holding buffers at once; later groups are computed at their close (still exact).")] = None,
     save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Compute one round's gradient lazily and by streaming, and print how far apart they are.
 
