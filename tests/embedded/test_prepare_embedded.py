@@ -48,7 +48,7 @@ def test_env_exec_runs_the_failing_tests(built):
     root, _ = built
     tasks = open_dataset(str(root / "embedded_repair_train")).tasks
     t = tasks[0]
-    res, _, _ = run_in_task(t.task_id, str(root / "embedded_repair_train"), "python -m pytest -q -p no:cacheprovider", 60)
+    res, *_ = run_in_task(t.task_id, str(root / "embedded_repair_train"), "python -m pytest -q -p no:cacheprovider", 60)
     assert res.exit_code == 1
     for test in t.fail_to_pass:
         assert f"FAILED {test}" in res.stdout

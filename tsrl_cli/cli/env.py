@@ -54,20 +54,17 @@ def exec_(
 
             if dataset is None:
                 raise UsageError("--task needs --dataset NAME (a prepared dataset; `tsrl env list` shows them)")
-            res, isolation, summary = run_in_task(task, dataset, " ".join(command), timeout_s, executor=executor,
-                                                  allow_unisolated=allow_unisolated)
-            if not json_out:
-                err_console.print(f"[dim]sandbox: {executor}, isolation {summary}[/dim]", highlight=False, soft_wrap=True)
+            res, isolation, summary, visible = run_in_task(task, dataset, " ".join(command), timeout_s,
+                                                           executor=executor, allow_unisolated=allow_unisolated)
         else:
             with open_sandbox(workdir, executor=executor, image=image, allow_unisolated=allow_unisolated) as sb:
-                if not json_out:
-                    err_console.print(f"[dim]sandbox: {sb.executor}, isolation {sb.isolation_summary}[/dim]",
-                                      highlight=False, soft_wrap=True)
                 res = sb.run(" ".join(command), timeout_s)
-                isolation = sb.isolation
+                isolation, summary, visible = sb.isolation, sb.isolation_summary, sb.visible_roots
     if json_out:
-        typer.echo(json.dumps({**res.to_dict(), "executor": executor, "isolation": isolation}))
+        typer.echo(json.dumps({**res.to_dict(), "executor": executor, "isolation": isolation, "visible_roots": visible}))
         raise typer.Exit(0)
+    err_console.print(f"[dim]sandbox: {executor}, isolation {summary}[/dim]", highlight=False, soft_wrap=True)
+    err_console.print("[dim]visible of the host: " + "; ".join(visible) + "[/dim]", highlight=False, soft_wrap=True)
     sys.stdout.write(res.stdout)
     sys.stdout.flush()
     sys.stderr.write(res.stderr)

@@ -2,11 +2,19 @@
 
 Start state: a copy of the repository at its start state (the bug already in place), from a
 local directory (`repo_dir`, local executor) or from the task's image (docker executor).
-Reward (after submission or when a limit ends the trajectory): the test files named by
-FAIL_TO_PASS / PASS_TO_PASS are restored from the start state (the agent may not pass by editing
-tests, as SWE-bench re-applies its test patch), then the test command runs in the same sandbox
-with the verifier's own timeout; pytest's -rA summary is parsed; binary or pass-ratio reward.
-A crashing or hanging verifier gives reward 0 with the reason, never an exception.
+Reward (after submission or when a limit ends the trajectory): the working copy is put in a state
+the agent cannot steer (`secure_tree`, local executor): the test directories (those of the
+FAIL_TO_PASS / PASS_TO_PASS files) are restored to the start state, agent-added files there
+removed; every file that configures pytest or Python from inside the tree (conftest.py, pytest.ini,
+tox.ini, setup.cfg, pyproject.toml, sitecustomize.py, usercustomize.py, *.pth) is the start state's
+or gone; bytecode caches are deleted; symlinks on those paths are replaced, never followed (the
+verifier runs on the host). Then `python -I -B -m pytest -p no:cacheprovider` runs in the same
+sandbox with the verifier's own timeout: isolated mode puts neither the working directory nor
+PYTHON* variables nor a user site on sys.path, so nothing the agent left there is imported at
+start. pytest's -rA summary is parsed; binary or pass-ratio reward. A crashing or hanging
+verifier gives reward 0 with the reason, never an exception. Known limit: the code under test runs
+inside the verifier's process, so code the agent wrote into the source files themselves can still
+reach pytest's internals (as in SWE-bench's harness); docs/reliability.md lists what is covered.
 
 Known states (local executor, tasks that ship their start state and a one-file gold patch, as the
 embedded suite does): a task's start state and its gold state were both run through the tests when
@@ -39,6 +47,11 @@ INSTRUCTION = (
 )
 
 
+# files that configure pytest or Python from inside the tree: only the start state's count
+GUARDED_NAMES = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
+                 "usercustomize.py")
+
+
 def test_files(test_ids: list[str]) -> list[str]:
     """Files named by pytest ids ("tests/test_x.py::test_y" -> "tests/test_x.py"), in order, unique."""
     seen: dict[str, None] = {}
@@ -48,6 +61,71 @@ def test_files(test_ids: list[str]) -> list[str]:
 
 
 _SKIP_DIRS = {"__pycache__", ".pytest_cache"}
+
+
+def test_dirs(files: list[str]) -> list[str]:
+    """The directories holding the test files ("" for a test file at the root: only the file is guarded)."""
+    return sorted({os.path.dirname(f) for f in files} - {""})
+
+
+def _guarded(rel: str, dirs: list[str], files: list[str]) -> bool:
+    name = os.path.basename(rel)
+    return (name in GUARDED_NAMES or name.endswith(".pth") or rel in files
+            or any(rel.startswith(d + "/") for d in dirs))
+
+
+def _remove(p: Path) -> None:
+    """Remove p whatever it is, without following a symlink."""
+    if p.is_symlink() or not p.is_dir():
+        p.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(p)
+
+
+def _place(root: Path, rel: str, src: Path) -> None:
+    """Copy src to root/rel through real directories only: a symlink or file in the way is removed first."""
+    cur = root
+    for part in Path(rel).parts[:-1]:
+        cur = cur / part
+        if cur.is_symlink() or (cur.exists() and not cur.is_dir()):
+            _remove(cur)
+        if not cur.exists():
+            cur.mkdir()
+    dst = root / rel
+    if os.path.lexists(dst):
+        _remove(dst)
+    shutil.copyfile(src, dst, follow_symlinks=False)
+
+
+def secure_tree(workdir: Path, start: Path, files: list[str]) -> None:
+    """Make the working copy's test files, pytest configuration and interpreter hooks the start state's.
+
+    files: the test files (relative paths). Guarded: those files, everything under their directories,
+    and every GUARDED_NAMES / *.pth file anywhere. A guarded path the start state lacks is removed; one
+    it has is copied back. Bytecode caches go (a forged .pyc of an unchanged test would run instead of
+    it). No symlink is followed: this runs on the host, on a tree the agent wrote.
+    """
+    dirs = test_dirs(files)
+    keep = set()
+    for dirpath, dirnames, filenames in os.walk(start):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, name), start)
+            if _guarded(rel, dirs, files) and not os.path.islink(os.path.join(dirpath, name)):
+                keep.add(rel)
+    for dirpath, dirnames, filenames in os.walk(workdir):  # does not descend into symlinked directories
+        here = Path(dirpath)
+        for d in list(dirnames):
+            p, rel = here / d, os.path.relpath(here / d, workdir)
+            if d in _SKIP_DIRS or (p.is_symlink() and (_guarded(rel, dirs, files) or rel in dirs)):
+                _remove(p)
+                dirnames.remove(d)
+        for name in filenames:
+            p, rel = here / name, os.path.relpath(here / name, workdir)
+            if name.endswith(".pyc") or (_guarded(rel, dirs, files) and rel not in keep):
+                _remove(p)
+    for rel in sorted(keep):
+        _place(workdir, rel, start / rel)
 
 
 def tree_digest(root: Path) -> str:
@@ -101,17 +179,15 @@ class RepairEnv(SandboxEnv):
         if self.task.test_command:
             return self.task.test_command
         files = test_files(self.task.fail_to_pass + self.task.pass_to_pass)
+        # -I: isolated (no cwd, PYTHON* or user site on sys.path); -B: no bytecode written;
         # -p no:cacheprovider: the verifier writes nothing into the repository
-        return f"{shlex.quote(self.python)} -m pytest -rA -q -p no:cacheprovider " + " ".join(map(shlex.quote, files))
+        return (f"{shlex.quote(self.python)} -I -B -m pytest -rA -q -p no:cacheprovider "
+                + " ".join(map(shlex.quote, files)))
 
     def _restore_tests(self) -> None:
         if self.repo_dir is None or self.sandbox.executor != "local":
             return  # docker: the image's tests (and the task's test_patch) are the reference
-        for rel in test_files(self.task.fail_to_pass + self.task.pass_to_pass):
-            src, dst = self.repo_dir / rel, self.sandbox.workdir / rel
-            if src.is_file():
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dst)
+        secure_tree(self.sandbox.workdir, self.repo_dir, test_files(self.task.fail_to_pass + self.task.pass_to_pass))
 
     def _known_reward(self) -> RewardResult | None:
         """The validated reward when the tree equals the task's start or gold state (see the module doc)."""

@@ -49,7 +49,7 @@ def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, e
                 allow_unisolated: bool = False):
     """Run one command in a fresh environment of the task, exactly as the agent's bash tool would.
 
-    Returns (ExecResult, isolation, isolation summary).
+    Returns (ExecResult, the sandbox's isolation, its isolation summary, its visible roots).
     """
     ds = open_dataset(dataset)
     d, t = ds.path, find_task(ds.tasks, task_id, dataset)
@@ -59,6 +59,7 @@ def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, e
     env = make_env(t, d, executor=executor, allow_unisolated=allow_unisolated)
     asyncio.run(env.start())
     try:
-        return env.exec(command, timeout_s), env.sandbox.isolation, env.sandbox.isolation_summary
+        sb = env.sandbox
+        return env.exec(command, timeout_s), sb.isolation, sb.isolation_summary, sb.visible_roots
     finally:
         asyncio.run(env.close())

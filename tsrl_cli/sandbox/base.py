@@ -139,6 +139,11 @@ class Sandbox(ABC):
     def isolation_summary(self) -> str:
         return self.isolation
 
+    @property
+    def visible_roots(self) -> list[str]:
+        """What a command sees of the host filesystem, one entry per root (and how)."""
+        return [f"{self.workdir} (the working copy)"]
+
     @abstractmethod
     def run(self, command: str, timeout_s: float, *, mounts: Iterable[Mount] | None = None) -> ExecResult:
         """Run `bash -c command` in the working directory; never raises for the command's faults.

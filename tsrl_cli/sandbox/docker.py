@@ -95,6 +95,11 @@ class DockerSandbox(Sandbox):
     def isolation_summary(self) -> str:
         return f"docker: image {self.image}, no network, caps dropped, memory/pids cgroup caps"
 
+    @property
+    def visible_roots(self) -> list[str]:
+        return [f"/ (the image {self.image}'s own filesystem; nothing of the host)"] + [
+            f"{m.target} (read-{'only' if m.read_only else 'write'}: {m.host})" for m in self.mounts]
+
     def _check_mounts(self, mounts: Iterable[Mount] | None, base: Iterable[Mount] = ()) -> tuple[Mount, ...]:
         checked = check_mounts([*base, *(mounts or ())], WORKDIR)
         for m in checked:

@@ -2,28 +2,34 @@
 
 Isolation, best first (`isolation="auto"`):
 
-- `bwrap` (Debian's bubblewrap): new pid, network, IPC and UTS namespaces, the host root
-  mounted read-only, the working directory the only writable host path, fresh tmpfs over /tmp,
-  /var/tmp, /root and /home, /etc/shadow and friends hidden, no capabilities left.
+- `bwrap` (Debian's bubblewrap): new pid, network, IPC and UTS namespaces; a root of its own (a
+  read-only tmpfs) showing only the system directories an agent's tools need (SYSTEM_ROOTS:
+  /usr, /etc, /bin, /lib, ... read-only, /etc/shadow and friends hidden), this interpreter's
+  installation (ro_binds), the working directory (read-write) and the mounts; fresh tmpfs over
+  /tmp, /var/tmp and /dev/shm; no capabilities left. Everything else of the host (the project
+  checkout, data/, home directories, other sandboxes' working copies, /opt, /srv, /mnt ...) is
+  absent: not hidden behind a tmpfs, not there at all (`visible_roots` lists what is).
   As a user, bwrap runs unprivileged in a new user namespace (`--cap-drop ALL`).
   As root, bwrap sets the mounts up as root (so `ro_binds` under /root can be shown), and the
   command then drops, through setpriv, to a uid of its own (a random unused uid >= 200000,
   or `sandbox_uid`) with no capabilities and no_new_privs: it is not root on the host.
-- `unshare` (root only, when bwrap is missing): util-linux unshare with the same namespaces,
-  the mounts remade read-only by a shell script, then the same setpriv drop.
+- `unshare` (root only, when bwrap is missing): util-linux unshare with the same namespaces and
+  the same root, built by a shell script on a tmpfs and entered with chroot, then the same
+  setpriv drop.
 - `none`: only the rlimits, the process group and the scrubbed environment. Refused unless the
   caller passes allow_unisolated=True (the CLI's --allow-unisolated).
 
-`ro_binds` (default: this interpreter's installation when a hidden directory covers it, as
-pyenv under /root does here) are shown read-only, so a verifier can run `sys.executable`.
+`ro_binds` (default: this interpreter's installation, its base and its virtual environment, where
+they lie outside the system directories, as pyenv under /root and a venv in the checkout do here)
+are shown read-only at their own paths, so the agent's `python` and a verifier's `sys.executable`
+run; of a venv in the checkout only the venv itself is shown.
 
 `mounts` (Mount(host, target, read_only=True); per sandbox, and per command with
 `run(..., mounts=)`) show host paths at chosen targets, e.g. a Harbor verifier's /tests
-(read-only) and /logs/verifier (read-write). The host is never changed to make a mount point:
-a target missing from the host gets one in a tmpfs that replaces its deepest existing ancestor,
-holding read-only binds of that ancestor's entries (for /tests, the root itself is rebuilt this
-way: bwrap binds the host's top-level entries onto its own root; unshare builds the same on a
-tmpfs and chroots into it). That tmpfs is then made read-only. A read-write mount must be
+(read-only) and /logs/verifier (read-write). The host is never changed to make a mount point: a
+target outside the system directories gets its mount point in the sandbox's own root (or /tmp);
+a target missing inside one (/etc/x) gets one in a tmpfs that replaces its deepest existing
+ancestor, holding read-only binds of that ancestor's entries. Those tmpfs are then read-only. A read-write mount must be
 writable by the command's uid: as root, its host path (not its contents) is chowned to the
 sandbox uid for the mount's lifetime, then given back, with what the command created inside
 chowned to the path's owner (set-id bits dropped). A host directory must not be mounted
@@ -86,12 +92,18 @@ from tsrl_cli.sandbox.base import (
 )
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# The host directories a sandbox shows (read-only): what an agent's shell tools need to run. Any
+# other top-level entry of the host is absent from the sandbox's root.
+SYSTEM_ROOTS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc")
 # `python` (and pytest) inside the sandbox is this interpreter's environment, shown read-only:
 # embedded repair tasks are pure Python verified with pytest, and the agent runs them the same way.
 TOOL_PATH = f"{os.path.dirname(sys.executable)}:{SAFE_PATH}"
-# Hidden in the sandbox even though the command no longer runs as root (defence in depth).
+# Hidden inside the system directories even though the command does not run as root (defence in depth).
 HIDDEN_FILES = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers")
-HIDDEN_DIRS = ("/root", "/home", "/tmp", "/var/tmp", "/etc/ssh", "/etc/sudoers.d", "/run/secrets")
+HIDDEN_ETC = ("/etc/ssh", "/etc/sudoers.d")
+# fresh, private, writable tmpfs in every sandbox (world-writable and sticky, like the real ones)
+PRIVATE_TMP = ("/tmp", "/var/tmp")
+HIDDEN_DIRS = (*PRIVATE_TMP, *HIDDEN_ETC)  # each a fresh tmpfs in the sandbox
 ISOLATIONS = ("auto", "bwrap", "unshare", "none")
 
 _MEMORY_ERRORS = ("MemoryError", "Cannot allocate memory", "cannot allocate memory", "Out of memory",
@@ -100,14 +112,34 @@ _FORK_ERRORS = ("fork: retry: Resource temporarily unavailable", "fork: Resource
                 "Resource temporarily unavailable", "BlockingIOError")
 
 
-def default_ro_binds() -> list[str]:
-    """This interpreter's installation, where a hidden directory covers it (pyenv under /root).
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
-    Shown read-only so that a verifier can run `sys.executable` (a venv's python links there).
+
+def default_ro_binds() -> list[str]:
+    """This interpreter's installation (its base and its venv) where it lies outside SYSTEM_ROOTS.
+
+    Shown read-only so that `python` on the sandbox's PATH and a verifier's `sys.executable` run
+    (a venv's python links to its base). Nested paths are kept once, outermost first.
     """
-    hidden = tuple(d.rstrip("/") + "/" for d in HIDDEN_DIRS)
-    paths = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
-    return sorted(p for p in paths if (p + "/").startswith(hidden) and os.path.isdir(p))
+    paths = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)
+                    if os.path.isdir(p)})
+    out: list[str] = []
+    for p in paths:
+        if not _under(p, SYSTEM_ROOTS) and not _under(p, out):
+            out.append(p)
+    return out
+
+
+def visible_parents(path: str) -> list[str]:
+    """Ancestors of `path` (outermost first, "/" excluded) the sandbox's own root must make as directories:
+    those outside SYSTEM_ROOTS and outside the private /tmp and /var/tmp."""
+    out = []
+    for a in reversed(Path(path).parents):
+        a = str(a)
+        if a != "/" and not _under(a, SYSTEM_ROOTS) and not _under(a, PRIVATE_TMP):
+            out.append(a)
+    return out
 
 
 def _fresh_uid() -> int:
@@ -125,32 +157,33 @@ def _fresh_uid() -> int:
 
 
 def _hidden_parent(path: str) -> str | None:
-    """The hidden directory (a fresh tmpfs in the sandbox) that path is or lies under, if any."""
+    """The private tmpfs (/tmp, /var/tmp, /etc/ssh ...) that path is or lies under, if any."""
     return next((d for d in HIDDEN_DIRS if path == d or path.startswith(d + "/")), None)
 
 
 def mount_layout(mounts: Sequence[Mount]) -> tuple[list[str], list[str]]:
     """Where each mount's target gets its mount point: (splices, dirs).
 
-    The host root is read-only in the sandbox, so a target missing on the host (/tests) needs a
-    writable layer: its deepest existing ancestor A is "spliced", rebuilt as a tmpfs holding
-    read-only binds of A's entries (A = "/" rebuilds the root). `dirs` are the directories to make
-    then (parents of the targets, and directory targets). The host itself is never changed.
-    UsageError where a target goes through a symlink, or its kind (file/directory) does not match.
+    A target outside SYSTEM_ROOTS gets its mount point in the sandbox's own root (or in the private
+    /tmp): every missing component is a directory to make (`dirs`). A target inside a system
+    directory that the host lacks (/etc/x) needs a writable layer there: its deepest existing
+    ancestor A is "spliced", rebuilt as a tmpfs holding read-only binds of A's entries. The host
+    itself is never changed. UsageError where a target inside a system directory goes through a
+    symlink, or its kind (file/directory) does not match.
     """
     splices: set[str] = set()
     dirs: list[str] = []
     for m in mounts:
         t, host_is_dir = m.target, os.path.isdir(m.host)
         hidden = _hidden_parent(t)
-        if hidden is not None:  # an empty tmpfs in the sandbox: just make the path
-            chain = []
+        chain = []
+        if hidden is not None or not _under(t, SYSTEM_ROOTS):  # a fresh tmpfs, or the sandbox's own root
+            stop = hidden or "/"
             a = t
-            while a != hidden:
+            while a != stop:
                 chain.append(a)
                 a = os.path.dirname(a)
         else:
-            chain = []
             a = t
             while not os.path.lexists(a):
                 chain.append(a)
@@ -166,8 +199,8 @@ def mount_layout(mounts: Sequence[Mount]) -> tuple[list[str], list[str]]:
                 raise UsageError(f"mount {m.host} -> {t}: {a} is not a directory")
             splices.add(a)
         chain.reverse()
-        dirs += chain if host_is_dir else chain[:-1]
-    return sorted(splices, key=lambda p: (p.count("/"), p) if p != "/" else (0, "")), dirs
+        dirs += [d for d in (chain if host_is_dir else chain[:-1]) if d not in dirs]
+    return sorted(splices, key=lambda p: (p.count("/"), p)), dirs
 
 
 def _entries(d: str) -> list[tuple[str, str | None]]:
@@ -317,6 +350,19 @@ class LocalSandbox(Sandbox):
         return sorted(self._cgroup.dirs)
 
     @property
+    def visible_roots(self) -> list[str]:
+        """What a command sees of the host, one entry each: path (and how); nothing else of the host is there."""
+        if self._isolation == "none":
+            return ["/ (the whole host, read-write where permissions allow)"]
+        out = [f"{p} (read-only{', secrets hidden' if p == '/etc' else ''})" for p in SYSTEM_ROOTS
+               if os.path.isdir(p) and not os.path.islink(p)]
+        out += [f"{p} (read-only: this interpreter)" for p in self.ro_binds]
+        out += [f"{self.workdir} (read-write: the working copy)"]
+        out += [f"{m.target} (read-{'only' if m.read_only else 'write'}: {m.host})" for m in self.mounts]
+        out += ["/tmp, /var/tmp, /dev/shm (private, empty)", "/dev, /proc (the sandbox's own)"]
+        return out
+
+    @property
     def isolation_summary(self) -> str:
         lim = self.limits
         caps = [f"cpu {lim.cpu_time_s}s/process", f"memory {lim.memory_bytes >> 20} MiB",
@@ -324,8 +370,8 @@ class LocalSandbox(Sandbox):
                 f"output {lim.output_bytes >> 10} KiB/stream"]
         cg = ",".join(self.cgroups) or "none"
         how = {
-            "bwrap": "bwrap: no network, read-only host, private /tmp /root /home, pid namespace",
-            "unshare": "unshare: no network, read-only host, private /tmp /root /home, pid namespace",
+            "bwrap": "bwrap: no network, a root of its own (system directories read-only), private /tmp, pid namespace",
+            "unshare": "unshare: no network, a root of its own (system directories read-only), private /tmp, pid namespace",
             "none": "NONE: commands can read and write the host and use the network",
         }[self._isolation]
         if self._isolation == "bwrap" and self._uid is None:
@@ -370,36 +416,49 @@ class LocalSandbox(Sandbox):
                 out += ["--symlink", link, p] if link is not None else ["--ro-bind", p, p]
         return out
 
+    def _made_dirs(self, mounts: Sequence[Mount], dirs: Sequence[str]) -> list[str]:
+        """Directories the sandbox's own root must hold (0755), outermost first: the parents of ro_binds,
+        of the working directory and of the mount targets, and mount_layout's `dirs` there. Never one
+        inside a system directory (those are host binds: making one there would change the host)."""
+        out: list[str] = []
+        for path in (*self.ro_binds, str(self.workdir), *(m.target for m in mounts)):
+            out += [a for a in visible_parents(path) if a not in out]
+        own = [d for d in dirs if _hidden_parent(d) is None and not _under(d, SYSTEM_ROOTS)]
+        return out + [d for d in own if d not in out]
+
     def _bwrap(self, mounts: Sequence[Mount] = ()) -> list[str]:
         wd = str(self.workdir)
         splices, dirs = mount_layout(mounts)
-        if "/" in splices:  # a target missing at the top (/tests): the root is a tmpfs of read-only binds
-            cmd = ["bwrap", *self._bwrap_entries("/", skip=("/proc", "/dev"))]
-        else:
-            cmd = ["bwrap", "--ro-bind", "/", "/"]
+        cmd = ["bwrap"]  # bwrap's own root is an empty tmpfs: only what is added below is there
+        for p in SYSTEM_ROOTS:
+            if os.path.islink(p):
+                cmd += ["--symlink", os.readlink(p), p]
+            elif os.path.isdir(p):
+                cmd += ["--ro-bind", p, p]
         cmd += ["--dev", "/dev", "--perms", "01777", "--tmpfs", "/dev/shm", "--proc", "/proc"]
         for a in splices:  # before the hidden paths, which then cover what the splices show again
-            if a != "/":
-                cmd += ["--perms", "0755", "--tmpfs", a, *self._bwrap_entries(a)]
-        for d in HIDDEN_DIRS:
-            if os.path.isdir(d):  # world-writable and sticky like the real ones (root's bwrap makes 0755)
-                cmd += ["--perms", "01777" if d in ("/tmp", "/var/tmp") else "0755", "--tmpfs", d]
+            cmd += ["--perms", "0755", "--tmpfs", a, *self._bwrap_entries(a)]
+        for d in PRIVATE_TMP:
+            cmd += ["--perms", "01777", "--tmpfs", d]
+        for d in HIDDEN_ETC:
+            if os.path.isdir(d):
+                cmd += ["--perms", "0755", "--tmpfs", d]
         for f in HIDDEN_FILES:
             if os.path.exists(f):
                 cmd += ["--ro-bind", "/dev/null", f]
-        for p in self.ro_binds:  # traversable parents inside the tmpfs (bwrap would make them 0700)
-            parents = [str(a) for a in reversed(Path(p).parents) if str(a) not in ("/", *HIDDEN_DIRS)]
-            for a in parents:
-                if any(a.startswith(h + "/") for h in HIDDEN_DIRS):
-                    cmd += ["--perms", "0755", "--dir", a]
+        for d in self._made_dirs(mounts, dirs):  # traversable by the sandbox uid (bwrap: 0700)
+            cmd += ["--perms", "0755", "--dir", d]
+        for p in self.ro_binds:
             cmd += ["--ro-bind", p, p]
         cmd += ["--bind", wd, wd]
         for d in dirs:
-            cmd += ["--perms", "0755", "--dir", d]
+            if _hidden_parent(d) is not None or _under(d, SYSTEM_ROOTS):  # inside a fresh tmpfs or a splice
+                cmd += ["--perms", "0755", "--dir", d]
         for m in mounts:
             cmd += ["--ro-bind" if m.read_only else "--bind", m.host, m.target]
         for a in splices:
             cmd += ["--remount-ro", a]
+        cmd += ["--remount-ro", "/"]
         cmd += ["--chdir", wd, "--unshare-pid", "--unshare-net", "--unshare-ipc",
                 "--unshare-uts", "--unshare-cgroup-try", "--die-with-parent", "--new-session"]
         if self._uid is None:  # a user: unprivileged bwrap, in a user namespace, no capabilities
@@ -413,34 +472,32 @@ class LocalSandbox(Sandbox):
                 "--bounding-set=-all", "--no-new-privs"]
 
     def _unshare_script(self, mounts: Sequence[Mount] = ()) -> str:
-        """Runs as root (bash) in fresh mount/pid/net namespaces: remount read-only, then drop to the uid.
+        """Runs as root (bash) in fresh mount/pid/net namespaces: build the sandbox's root, enter it, drop.
 
-        Mounts: their host paths are opened first (fds 10.., read through /proc/$P/fd as the cwd
-        keeps the workdir). A target missing at the top (/tests) needs a new root: a tmpfs over
-        /tmp holding binds of the host's top-level entries, entered with chroot; the rest of the
-        script then runs there. Other missing targets splice their parent in place (a tmpfs with
-        binds of its entries, read through a handle on the original).
+        The root is a tmpfs (mounted over /tmp of this private mount namespace) holding binds of
+        SYSTEM_ROOTS, /dev and /proc, and the directories ro_binds, the working directory and mount
+        targets need; it is entered with chroot. Host paths needed inside (ro_binds, mount sources,
+        the working directory) are opened first, as fds, so they stay reachable after the chroot.
+        Inside: every mount read-only, the private tmpfs and hidden files, then the read-write
+        working directory and the mounts; then the drop to the sandbox uid.
         """
         q = shlex.quote
         wd = q(str(self.workdir))
         splices, dirs = mount_layout(mounts)
-        new_root = "/" in splices
-        hide_dirs = " ".join(q(d) for d in (*HIDDEN_DIRS, "/dev/shm") if os.path.isdir(d))  # bwrap's --dev has its own shm
+        hide_dirs = " ".join(q(d) for d in (*PRIVATE_TMP, *(d for d in HIDDEN_ETC if os.path.isdir(d)), "/dev/shm"))
         hide_files = " ".join(q(f) for f in HIDDEN_FILES if os.path.exists(f))
         keep = "".join(f"exec {3 + i}<{q(p)}; " for i, p in enumerate(self.ro_binds))  # handles, like the cwd
         show = "".join(f"mkdir -p {q(p)}; mount -c --bind /proc/self/fd/{3 + i} {q(p)}; "
                        f"mount -o remount,bind,ro {q(p)}; " for i, p in enumerate(self.ro_binds))
         sources = "".join(f"exec {10 + i}<{q(m.host)}; " for i, m in enumerate(mounts))
 
-        def rebind(src_dir: str, entries_of: str, dest: str, empty: tuple[str, ...] = ()) -> str:
+        def rebind(src_dir: str, entries_of: str, dest: str) -> str:
             """Binds (symlinks) of host directory entries_of's entries, read under src_dir (shell text), made under dest."""
             out = ""
             for p, link in _entries(entries_of):
                 name = os.path.basename(p)
                 s_, d_ = f"{src_dir}/{q(name)}", q(f"{dest.rstrip('/')}/{name}")
-                if p in empty:
-                    out += f"mkdir {d_}; "
-                elif link is not None:
+                if link is not None:
                     out += f"ln -s {q(link)} {d_}; "
                 elif os.path.isdir(p):
                     out += f"mkdir {d_}; mount -c --rbind {s_} {d_}; "
@@ -448,28 +505,36 @@ class LocalSandbox(Sandbox):
                     out += f"touch {d_}; mount -c --bind {s_} {d_}; "
             return out
 
-        inner = [a for a in splices if a != "/"]
         fd0 = 10 + len(mounts)
         splice = "".join(
             f"exec {fd0 + j}<{q(a)}; mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs {q(a)}; "
-            + rebind(f"/proc/$$/fd/{fd0 + j}", a, a) for j, a in enumerate(inner))
-        # made after the read-only pass, except those on a new root (made before it, below)
-        late_dirs = [d for d in dirs if not new_root or any(d.startswith(a.rstrip("/") + "/") for a in inner)
-                     or _hidden_parent(d)]
-        early = [d for d in dirs if d not in late_dirs]
-        early_files = [m.target for m in mounts if not os.path.isdir(m.host) and not os.path.lexists(m.target)
-                       and new_root and os.path.dirname(m.target) in ("/", *early)]
+            + rebind(f"/proc/$$/fd/{fd0 + j}", a, a) for j, a in enumerate(splices))
+        # inside a private tmpfs or a splice: made after the read-only pass; the rest before it, on the new root
+        late_dirs = [d for d in dirs if _hidden_parent(d) or _under(d, SYSTEM_ROOTS)]
+        stage = "/tmp"  # covered by the tmpfs that becomes the root
+        roots = ""
+        for p in (*SYSTEM_ROOTS, "/dev", "/proc"):
+            if os.path.islink(p):
+                roots += f"ln -s {q(os.readlink(p))} {q(stage + p)}; "
+            elif os.path.isdir(p):
+                roots += f"mkdir {q(stage + p)}; mount -c --rbind {q(p)} {q(stage + p)}; "
+        early = [*self._made_dirs(mounts, dirs), *PRIVATE_TMP,
+                 *(p for p in self.ro_binds if _hidden_parent(p) is None)]
+        early_files = [m.target for m in mounts if not os.path.isdir(m.host) and _hidden_parent(m.target) is None
+                       and not _under(m.target, SYSTEM_ROOTS)]
+        build = (f"mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs {stage}; " + roots
+                 + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
+                 + "".join(f"touch {q(stage + t)}; " for t in early_files))
         make = "".join(f"mkdir -p {q(d)}; " for d in late_dirs)
         make += "".join(f"[ -e {q(m.target)} ] || touch {q(m.target)}; " for m in mounts
                         if not os.path.isdir(m.host) and m.target not in early_files)
-        cwd_fd = fd0 + len(inner)  # new root only: a handle on the workdir across `cd /` and chroot
-        closing = "".join(f"exec {fd}<&-; " for fd in (*range(3, 3 + len(self.ro_binds)),
-                                                       *range(10, cwd_fd + new_root)))
+        cwd_fd = fd0 + len(splices)  # a handle on the workdir across `cd /` and chroot
+        closing = "".join(f"exec {fd}<&-; " for fd in (*range(3, 3 + len(self.ro_binds)), *range(10, cwd_fd + 1)))
         binds = "".join(f"mount -c --bind /proc/$P/fd/{10 + i} {q(m.target)}; "
                         f"mount -o remount,bind,{'ro' if m.read_only else 'rw'} {q(m.target)}; "
                         for i, m in enumerate(mounts))
         body = (
-            # every mount read-only (the cwd keeps a handle on the workdir while /tmp is covered)
+            # every mount read-only, the new root included (the cwd keeps a handle on the workdir)
             "for m in $(awk '{print $5}' /proc/self/mountinfo | sort -u); do "
             'case "$m" in /proc|/proc/*) continue;; esac; mount -o remount,bind,ro "$m" 2>/dev/null || true; done; '
             + splice +
@@ -477,21 +542,12 @@ class LocalSandbox(Sandbox):
             f"for f in {hide_files}; do mount --bind /dev/null \"$f\"; done; " + show +
             # -c: mount must not canonicalize ".", which now names the new empty directory
             f"mkdir -p {wd}; mount -c --bind . {wd}; mount -o remount,bind,rw {wd}; " + make + binds
-            + "".join(f"mount -o remount,ro {q(a)}; " for a in inner) +
+            + "".join(f"mount -o remount,ro {q(a)}; " for a in splices) +
             f"cd {wd}; ip link set lo up 2>/dev/null || true; {closing}set +e; "
             # not exec: pid 1 of a namespace ignores SIGXCPU, so the command must not be pid 1
             f'{shlex.join(self._drop_root())} "$@"; exit $?'
         )
-        # ro_binds and mount sources are opened here, before a new root (chroot into a tmpfs over
-        # /tmp) could hide them: an interpreter or venv living under /tmp stays reachable by its fd
         head = "set -e; mount --make-rprivate /; cd " + wd + "; P=$$; " + keep + sources
-        if not new_root:
-            return head + body
-        stage = "/tmp"  # covered by a tmpfs that becomes the root; /tmp is hidden in the sandbox anyway
-        build = (f"mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs {stage}; "
-                 + rebind("", "/", stage, empty=(stage,))
-                 + "".join(f"mkdir -p {q(stage + d)}; " for d in early)
-                 + "".join(f"touch {q(stage + t)}; " for t in early_files))
         # The outer shell is in / by the chroot, so /proc/$P/cwd does not name the workdir (without this,
         # commands would run in the host's /). The chrooted shell gets back to the workdir
         # through a handle the outer shell opened while still in it. cd's getcwd warning there is
