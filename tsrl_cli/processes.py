@@ -8,6 +8,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 import traceback
 
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
@@ -94,8 +95,29 @@ def peak_device_bytes(device: str) -> int | None:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-def guarded(name: str, report_q, fn, *args) -> None:
-    """Run a worker's main; on failure report ("error", name, traceback) instead of dying silently."""
+def exit_with(main_pid: int, period_s: float = 0.5) -> None:
+    """A daemon thread that ends this process when `main_pid` is gone.
+
+    A worker is a child of the forkserver, not of the main process, and a main process killed with
+    SIGKILL runs no cleanup: without this its workers would live on, blocked on their queues.
+    """
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            try:
+                os.kill(main_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, owned by someone else: cannot be ours; keep watching
+                pass
+
+    threading.Thread(target=watch, name="tsrl-exit-with-main", daemon=True).start()
+
+
+def guarded(name: str, report_q, main_pid: int, fn, *args) -> None:
+    """Run a worker's main, ending with the main process; on failure report ("error", name, traceback)
+    instead of dying silently."""
+    exit_with(main_pid)
     try:
         fn(*args)
         report_q.put(("done", name, None))

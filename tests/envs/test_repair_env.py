@@ -85,3 +85,40 @@ def test_hanging_verifier_gives_zero_with_reason(tok):
 
     r = asyncio.run(main())
     assert r.reward == 0.0 and "wall_clock" in r.reason
+
+
+def test_secure_tree_restores_removes_and_never_follows_a_symlink(tmp_path):
+    """secure_tree on a tree an agent prepared: guarded files back to the start state, agent-added ones and
+    caches gone, symlinks replaced, and the host file a symlink pointed at untouched (positive control: a
+    plain copy through that symlink would have overwritten it)."""
+    from tsrl_cli.envs.repair import secure_tree
+
+    start, work = tmp_path / "start", tmp_path / "work"
+    shutil.copytree(REPO, start)
+    shutil.copytree(REPO, work)
+    canary = tmp_path / "canary.txt"
+    canary.write_text("host\n")
+    (work / "tests" / "test_calc.py").unlink()
+    (work / "tests" / "test_calc.py").symlink_to(canary)  # the verifier must not write through it
+    (work / "tests" / "helper.py").write_text("x = 1\n")  # agent-added inside the test directory
+    for name in ("conftest.py", "pytest.ini", "setup.cfg", "tox.ini", "pyproject.toml", "sitecustomize.py",
+                 "usercustomize.py", "hack.pth"):
+        (work / name).write_text("# agent\n")
+    (work / "pkg").mkdir()
+    (work / "pkg" / "conftest.py").write_text("# agent\n")
+    (work / "tests" / "__pycache__").mkdir()
+    (work / "tests" / "__pycache__" / "test_calc.cpython-311-pytest-9.pyc").write_bytes(b"forged")
+    (work / "calc.py").write_text("def add(a, b):\n    return a + b\n\n\ndef subtract(a, b):\n    return a - b\n")
+    secure_tree(work, start, ["tests/test_calc.py"])
+    assert canary.read_text() == "host\n"
+    assert not (work / "tests" / "test_calc.py").is_symlink()
+    assert (work / "tests" / "test_calc.py").read_text() == (REPO / "tests" / "test_calc.py").read_text()
+    assert (work / "tests" / "conftest.py").read_text() == (REPO / "tests" / "conftest.py").read_text()
+    left = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
+    assert left == ["calc.py", "tests/conftest.py", "tests/test_calc.py"], left  # the agent's fix stays
+    assert "a - b" in (work / "calc.py").read_text()
+    # positive control: what a plain copy (the verifier before secure_tree) does with such a symlink
+    (work / "tests" / "test_calc.py").unlink()
+    (work / "tests" / "test_calc.py").symlink_to(canary)
+    shutil.copyfile(REPO / "tests" / "test_calc.py", work / "tests" / "test_calc.py")
+    assert canary.read_text() != "host\n"

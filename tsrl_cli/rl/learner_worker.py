@@ -11,7 +11,9 @@ The reference model for a KL term is the initial policy (frozen), scored here pe
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -118,7 +120,15 @@ class Learner:
             (d / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
                                                       "schedule": self.cfg.schedule, "seed": self.cfg.seed}))
 
-        return str(save_policy(self.model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
+        try:
+            return str(save_policy(self.model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(self.run_dir).free < (1 << 20)
+            if not full:
+                raise
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {self.run_dir} while writing checkpoint "
+                                        f"round-{round_} (nothing of it was kept; the earlier checkpoints are intact): "
+                                        "free space, then `tsrl train --resume`") from None
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, plans: list[RoundPlan], save_initial: bool) -> None:

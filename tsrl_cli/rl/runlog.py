@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_atomic, write_json_atomic, write_jsonl_atomic
 
 FILES = ("metrics.jsonl", "events.jsonl", "rollouts.jsonl")
@@ -49,10 +50,22 @@ class RunLog:
             f.flush()
 
     def rows(self, name: str) -> list[dict]:
+        """The file's rows; a last line without its newline (the process was killed mid-append) is left out
+        (resume drops it from the file too, with the rounds after the last checkpoint)."""
         p = self.root / name
         if not p.is_file():
             return []
-        return [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = p.read_text(encoding="utf-8")
+        if text and not text.endswith("\n"):
+            text = text[:text.rfind("\n") + 1]
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise UsageError(f"{p}:{n}: not a JSON row ({e.msg}); move the run directory away to start over") from None
+        return out
 
     def checkpoints(self) -> dict[int, Path]:
         """Completed checkpoints (a state.json is the last file written before the rename)."""
@@ -63,11 +76,13 @@ class RunLog:
         return dict(sorted(out.items()))
 
     def keep_rounds_up_to(self, k: int) -> None:
-        """Resume: drop rows of rounds after the last checkpoint (they will be run again)."""
+        """Resume: drop rows of rounds after the last checkpoint (they will be run again), and a torn last line."""
         for name in FILES:
             rows = self.rows(name)
             kept = [r for r in rows if r.get("round", 0) <= k]
-            if len(kept) != len(rows):
+            p = self.root / name
+            torn = p.is_file() and p.stat().st_size and not p.read_bytes().endswith(b"\n")
+            if len(kept) != len(rows) or torn:
                 write_jsonl_atomic(self.root / name, kept)
 
     def write_done(self, summary: dict) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import time
@@ -38,6 +39,7 @@ from tsrl_cli.rl.tasks import load_task_table, plan_round
 from tsrl_cli.rl.teacher_worker import teacher_main
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
 
+PIDS_FILE = "processes.json"  # {main, rollout, learner[, teacher]: pid} while the workers run
 PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker",
            "tsrl_cli.rl.teacher_worker", "transformers.models.qwen3.modeling_qwen3"]
 EMBEDDED_POLICY = "data/embedded_policy"
@@ -186,13 +188,15 @@ class Workers:
         }
         if teacher_dir:
             specs["teacher"] = (teacher_main, (cfg, teacher_dir, plans, traj_q, learn_q, self.report_q))
-        self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, fn, *args), name=f"tsrl-{name}",
-                                        daemon=True)
+        self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, os.getpid(), fn, *args),
+                                        name=f"tsrl-{name}", daemon=True)
                       for name, (fn, args) in specs.items()}
+        self.pids_file = Path(run_dir) / PIDS_FILE
 
     def __enter__(self):
         for p in self.procs.values():
             p.start()
+        write_json_atomic(self.pids_file, {"main": os.getpid(), **{n: p.pid for n, p in self.procs.items()}})
         return self
 
     def __exit__(self, *exc):
@@ -205,6 +209,7 @@ class Workers:
         for q in self.queues:
             q.cancel_join_thread()
             q.close()
+        self.pids_file.unlink(missing_ok=True)
         return False
 
 
@@ -229,7 +234,9 @@ class Orchestrator:
             except queue.Empty:
                 for name, p in self.w.procs.items():
                     if name not in finished and p.exitcode is not None:
-                        raise TrainError(f"the {name} process exited with code {p.exitcode} without a report")
+                        how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+                        raise TrainError(f"the {name} process {how} without a report; `tsrl train --resume` "
+                                         "continues from the last checkpoint")
                 continue
             if kind == "error":
                 last = payload.strip().splitlines()[-1] if payload.strip() else "?"

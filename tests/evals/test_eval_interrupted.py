@@ -1,0 +1,46 @@
+"""SIGINT in `tsrl eval`: the records written so far stay whole, and the same command again runs only
+what is missing and ends with the records of an uninterrupted evaluation."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _records(out: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    return sorted(({k: v for k, v in r.items() if k not in ("duration_s", "tool_s")} for r in rows),
+                  key=lambda r: (r["dataset"], r["instance_id"], r["sample"]))
+
+
+def test_sigint_then_the_eval_continues(suite, ckpt, tmp_path):
+    sets = f"{suite / 'embedded_repair_heldout'},{suite / 'embedded_terminal_heldout'}"
+
+    def cmd(out):  # one session at a time: each trajectory is then its own engine batch, deterministic
+        return [sys.executable, "-m", "tsrl_cli", "eval", "embedded", "--model", str(ckpt), "--datasets", sets,
+                "--concurrency", "1", "--samples", "2", "--out", str(out), "--json"]
+
+    ref = subprocess.run(cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "out"
+    p = subprocess.Popen(cmd(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not ((out / "records.jsonl").is_file() and (out / "records.jsonl").read_text().count("\n") >= 2):
+        assert time.monotonic() - t0 < 300 and p.poll() is None, "no record written"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    assert p.returncode == 130, p.returncode
+    partial = _records(out)  # every line whole
+    assert 2 <= len(partial) < len(_records(tmp_path / "ref"))
+    again = subprocess.run(cmd(out), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _records(out) == _records(tmp_path / "ref")
+    assert json.loads((out / "summary.json").read_text())["all"] == json.loads((tmp_path / "ref" / "summary.json").read_text())["all"]
