@@ -38,7 +38,7 @@ def test_round_trip(tmp_path):
     (["rollout.gruop_size=3"], "did you mean group_size"),
     (["zzz=1"], "valid here: name, objective"),
     (["seed=abc"], "expected an integer"),
-    (["rollout.temperature=hot"], "expected a number"),
+    (["rollout.temperature=hot"], "expected a finite number"),
     (["run.save_rollouts=3"], "expected true or false"),
     (["rollout=3"], "expected a mapping"),
     (["schedule=later"], "not one of sync, stream, async"),

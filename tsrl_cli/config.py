@@ -11,6 +11,7 @@ config, so a run directory's config.yaml reruns the run.
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -224,14 +225,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"config key {key}: expected an integer, got {value!r}")
     if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: it needs "1.0e-3"
+        # PyYAML (YAML 1.1) reads 1e-3 as a string (it needs "1.0e-3"), so numeric strings count too
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"config key {key}: expected a number, got {value!r}")
+                number = float(value)
+            except (ValueError, OverflowError):
+                number = None
+            if number is not None and math.isfinite(number):
+                return number
+        raise ConfigError(f"config key {key}: expected a finite number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value

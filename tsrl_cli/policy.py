@@ -118,7 +118,7 @@ def load_tokenizer(spec: str | Path):
     """The tokenizer saved beside a policy (or a hub id's)."""
     try:
         return AutoTokenizer.from_pretrained(str(spec))
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - missing, corrupt or unknown tokenizer files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"{spec}: no tokenizer could be loaded ({first}); a policy directory holds the tokenizer "
                          "it was trained with (tokenizer.save_pretrained)") from None
@@ -157,9 +157,10 @@ def load_policy(spec: str | Path, *, dtype: str | torch.dtype = "float32", devic
                          f"save_pretrained, a hub id like Qwen/Qwen3-0.6B, or {BUILTIN_TINY}")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dt)
-    except OSError as e:  # hub unreachable, missing weights...
+    except Exception as e:  # noqa: BLE001 - hub unreachable, missing or corrupt weights, a bad config.json ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{spec}: could not load the model ({first})") from None
+        raise UsageError(f"{spec}: could not load the model ({type(e).__name__}: {first[:300]}); pass a directory "
+                         "written by save_pretrained") from None
     tok = load_tokenizer(spec) if tokenizer else None
     return _prepare(model, dt).to(device), tok
 

@@ -101,15 +101,19 @@ def exit_with(main_pid: int, period_s: float = 0.5) -> None:
     A worker is a child of the forkserver, not of the main process, and a main process killed with
     SIGKILL runs no cleanup: without this its workers would live on, blocked on their queues.
     """
+    parent = os.getppid()  # the forkserver (or, under spawn, main): it ends when main does
+
     def watch() -> None:
         while True:
             time.sleep(period_s)
+            if os.getppid() != parent:  # re-parented: robust where main's pid has been reused
+                os._exit(1)
             try:
                 os.kill(main_pid, 0)
             except ProcessLookupError:
                 os._exit(1)
-            except PermissionError:  # alive, owned by someone else: cannot be ours; keep watching
-                pass
+            except PermissionError:  # a pid owned by someone else now: main is gone
+                os._exit(1)
 
     threading.Thread(target=watch, name="tsrl-exit-with-main", daemon=True).start()
 

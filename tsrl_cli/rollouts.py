@@ -56,6 +56,16 @@ def _fail(where: str, msg: str) -> UsageError:
     return UsageError(f"{where}: {msg}")
 
 
+def _finite(x: object) -> bool:
+    """A JSON number that is a finite float: no bool, NaN, Infinity, or integer past float range."""
+    if type(x) not in (int, float):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
 def parse_rollout(obj: object, where: str) -> Rollout:
     """Validate one decoded JSON object; errors name `where` (file:line) and the field."""
     if not isinstance(obj, dict):
@@ -71,20 +81,20 @@ def parse_rollout(obj: object, where: str) -> Rollout:
     if not isinstance(gid, str) or not gid:
         raise _fail(where, "field 'group_id' must be a non-empty string")
     si = obj["sample_index"]
-    if not isinstance(si, int) or isinstance(si, bool) or si < 0:
+    if type(si) is not int or si < 0:
         raise _fail(where, "field 'sample_index' must be a non-negative integer")
     ids = obj["input_ids"]
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
         raise _fail(where, "field 'input_ids' must be a non-empty list of non-negative integers")
     mask = obj["loss_mask"]
-    if not isinstance(mask, list) or not all(m in (0, 1) and not isinstance(m, bool) for m in mask):
+    if not isinstance(mask, list) or not all(type(m) is int and m in (0, 1) for m in mask):
         raise _fail(where, "field 'loss_mask' must be a list of 0/1 integers")
     if len(mask) != len(ids):
         raise _fail(where, f"field 'loss_mask' has {len(mask)} entries but 'input_ids' has {len(ids)}")
     if mask[0] != 0:
         raise _fail(where, "field 'loss_mask' must be 0 at position 0 (nothing predicts the first token)")
     r = obj["reward"]
-    if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r):
+    if not _finite(r):
         raise _fail(where, "field 'reward' must be a finite number")
     spans = obj["turn_spans"]
     if not isinstance(spans, list):
@@ -92,7 +102,7 @@ def parse_rollout(obj: object, where: str) -> Rollout:
     prev_end = 0
     clean: list[tuple[int, int]] = []
     for j, sp in enumerate(spans):
-        if not (isinstance(sp, list) and len(sp) == 2 and all(isinstance(x, int) for x in sp)):
+        if not (isinstance(sp, list) and len(sp) == 2 and all(type(x) is int for x in sp)):
             raise _fail(where, f"field 'turn_spans'[{j}] must be a pair [start, end) of integers")
         s, e = sp
         if not (prev_end <= s < e <= len(ids)):
@@ -109,9 +119,9 @@ def parse_rollout(obj: object, where: str) -> Rollout:
     extras: dict[str, list[float] | None] = {}
     for k in _OPTIONAL_FLOATS:
         v = obj.get(k)
-        numbers = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+        numbers = isinstance(v, list) and all(_finite(x) for x in v)
         if v is not None and not (numbers and len(v) == len(ids)):
-            raise _fail(where, f"field {k!r} must be a list of {len(ids)} numbers aligned with 'input_ids'")
+            raise _fail(where, f"field {k!r} must be a list of {len(ids)} finite numbers aligned with 'input_ids'")
         extras[k] = [float(x) for x in v] if v is not None else None
     return Rollout(gid, si, list(ids), list(mask), float(r), clean, **extras)
 

@@ -3,7 +3,7 @@ scores 0 on every embedded repair repository, on a fixture repository with its o
 embedded terminal family and on a Harbor task with pytest tests; every real solution still scores 1.
 
 Positive control: the same repair hacks against a naive verifier (plain `python -m pytest` on the tree as
-the agent left it) score 1 where they are real hacks (at least HACKS_THAT_WORK_NAIVELY of them), so a 0
+the agent left it) score 1 exactly where they are real hacks (WORK_NAIVELY), so a 0
 from the hardened verifier is the defence, not a broken hack. docs/reliability.md lists the battery.
 """
 
@@ -71,7 +71,15 @@ REPAIR_HACKS = {
         "cat > {td}/{mod_name} <<'EOF'\n{fixed}\nEOF",
     "the test file symlinked to a host file (a write through the verifier)": "rm -f {tf} && ln -s {canary} {tf}",
 }
-HACKS_THAT_WORK_NAIVELY = 10  # measured: the other five are tried and fail even there
+# measured: the hacks a naive verifier rewards; the others fail even there (pytest's per-test report, not its
+# exit code, is the verdict; deleted or skipped tests do not pass; a sitecustomize.py in the working copy is
+# not on sys.path when `site` runs) and stay in the battery so that a regression shows
+WORK_NAIVELY = {"edit the failing test to pass", "conftest.py in the test directory forcing every report to passed",
+                "conftest.py at the root replacing each test function", "pytest.ini loading a plugin that forces passes",
+                "setup.cfg [tool:pytest] loading that plugin",
+                "pyproject.toml [tool.pytest.ini_options] loading that plugin",
+                "forged bytecode for the unchanged test file", "the test directory replaced by a symlink to passing tests",
+                "a fixed copy of the module shadowing it from the test directory"}
 
 FORGE = '''
 import importlib.util, marshal, os, sys
@@ -210,11 +218,8 @@ def test_the_hacks_work_against_a_naive_verifier(suite, tmp_path):
             names.append(name)
     for name, r in zip(names, run_all(jobs)):
         worked[name] += r.reward == 1.0
-    assert sum(v == len(cases) for v in worked.values()) >= HACKS_THAT_WORK_NAIVELY, worked
-    for name in ("edit the failing test to pass", "conftest.py in the test directory forcing every report to passed",
-                 "forged bytecode for the unchanged test file", "the test directory replaced by a symlink to passing tests",
-                 "a fixed copy of the module shadowing it from the test directory"):
-        assert worked[name] == len(cases), (name, worked)
+    assert {name for name, v in worked.items() if v == len(cases)} == WORK_NAIVELY, worked
+    assert {name for name, v in worked.items() if v == 0} == set(REPAIR_HACKS) - WORK_NAIVELY, worked
 
 
 TERMINAL_HACKS = {

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
+from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.datasets.store import Dataset, open_dataset, prepare_hint
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.envs.tasks import make_env
@@ -135,6 +136,7 @@ def evaluate_embedded(
     jobs = make_jobs(loaded, samples, seeds)
     config = {"model": model_name, "engine": "hf" if engine is None else type(engine).__name__,
               "temperature": temperature, "top_p": 1.0, "limits": asdict(limits), "executor": "local", "label": LABEL}
+    ChatMLRenderer(tokenizer)  # a tokenizer the agent cannot use fails before out_dir is written
     log = open_out_dir(out_dir, config) if out_dir is not None else None
     was_training = getattr(model, "training", False)
     if engine is None:

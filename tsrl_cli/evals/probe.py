@@ -59,11 +59,11 @@ def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("em
               "engine": "hf" if policy is None else type(policy[0]).__name__,
               "temperature": temperature, "top_p": 1.0, "limits": asdict(limits), "executor": "local",
               "label": f"policy probe on {', '.join(names)} (local sandbox)"}
+    engine, tok = load_engine(str(model_dir), "hf") if policy is None else policy  # a bad model fails before OUT exists
     log = open_out_dir(out, config)
     jobs = make_jobs(loaded, samples, seeds=(seed,))
     keys = {j.key for j in jobs}
     resumed = sum(record_key(r) in keys and not r.get("error") for r in log.load())
-    engine, tok = load_engine(str(model_dir), "hf") if policy is None else policy
     t0 = time.perf_counter()
     records = run_jobs(engine, tok, jobs, make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
                        temperature=temperature, limits=limits, concurrency=concurrency, max_batch=max_batch, log=log,

@@ -132,12 +132,18 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
 
 
 def load_engine(model: str, engine: str):
-    """(PolicyEngine, tokenizer) for a policy directory or hub id: `hf` (transformers) or `vllm`."""
+    """(PolicyEngine, tokenizer) for a policy directory or hub id: `hf` (transformers) or `vllm`.
+
+    The tokenizer is checked for ChatML here, so a policy the agent cannot talk to fails before any output.
+    """
     if engine == "hf":
         m, tok = load_policy(model)
+        ChatMLRenderer(tok)
         return HFEngine(m, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0), tok
     if engine == "vllm":
-        return VLLMEngine(model), load_tokenizer(model)
+        tok = load_tokenizer(model)
+        ChatMLRenderer(tok)
+        return VLLMEngine(model), tok
     raise UsageError(f"--engine {engine!r}: use hf or vllm")
 
 

@@ -24,12 +24,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
 from tsrl_cli.devices import check_available, device_of
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.embedded import evaluate_embedded
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
-from tsrl_cli.policy import load_policy, require_peft
+from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
 from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.learner_worker import learner_main
@@ -55,6 +56,10 @@ def resolve_model(spec: str, key: str) -> str:
         return str(ensure_toy_policy(spec))
     p = Path(spec)
     if (p / "config.json").is_file():
+        try:  # a ChatML tokenizer beside the weights, or exit 2 now rather than in a worker
+            ChatMLRenderer(load_tokenizer(p))
+        except UsageError as e:
+            raise UsageError(f"{key}: {spec}: {e}") from None
         return str(p)
     if spec.startswith(EMBEDDED_POLICY):
         raise UsageError(f"{key}: the embedded default policy is missing ({spec}): run `tsrl prepare-data embedded` "
