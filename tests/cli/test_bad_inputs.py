@@ -65,7 +65,7 @@ CASES = [
     ("train --dtype float16 --out {t}/out", "model.dtype"),
     ("train --learner-devices 4-7 --out {t}/out", "names 4 devices"),
     ("train --rollout-devices gpu --out {t}/out", "not a device list"),
-    ("train --set model.policy={t}/nonexistent --out {t}/out", "not a model directory"),
+    ("train --set model.policy={t}/nonexistent --set data.train=[builtin:echo] --out {t}/out", "not a model directory"),
     ("train --set model.policy={t}/tokenless --set data.train=[builtin:echo] --out {t}/out", "ChatML tokenizer"),
     ("train --set data.train=[{t}/nonexistent] --set model.policy=builtin:toy --out {t}/out", "no such dataset"),
     ("train --set loss.ppo_epochs=2 --out {t}/out", "not exact under gradient streaming"),

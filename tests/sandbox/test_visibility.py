@@ -94,3 +94,18 @@ def test_env_exec_prints_the_visible_roots(tmp_path):
     assert not any(r.startswith(str(CHECKOUT) + " ") for r in roots)
     res = CliRunner().invoke(app, ["env", "exec", "--workdir", str(tmp_path / "w"), "--", "true"])
     assert "visible of the host:" in res.stderr and "/usr (read-only)" in res.stderr
+
+
+def test_an_interpreter_under_tmp_stays_runnable(isolation, tmp_path):
+    """A checkout (and its venv) under /tmp, as in a CI clone there: the private /tmp must still show it,
+    traversable by the sandbox's uid, and nothing else of the host's /tmp."""
+    venv = tmp_path / "clone" / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "tool").write_text("#!/bin/sh\necho from-the-venv\n")
+    (venv / "tool").chmod(0o755)
+    (tmp_path / "clone" / "secret.txt").write_text("checkout file\n")
+    assert str(tmp_path).startswith("/tmp/")  # what this test is about (pytest's default basetemp)
+    with LocalSandbox(None, isolation=isolation, ro_binds=[str(tmp_path / "clone" / ".venv")]) as sb:
+        r = sb.run(f"{venv / 'tool'}; cat {tmp_path / 'clone' / 'secret.txt'} 2>&1; ls -A {tmp_path}", 10)
+    assert r.stdout.startswith("from-the-venv\n"), r
+    assert "checkout file" not in r.stdout and r.stdout.rstrip().endswith("clone"), r.stdout

@@ -95,8 +95,6 @@ def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -
             (run.root / name).unlink(missing_ok=True)
         run.write_config(dump_config(cfg))
         return 0, policy_dir, {"wall_s": 0.0, "core_s": 0.0}
-    if not run.started():
-        raise UsageError(f"--resume: {run.root} holds no run (no config.yaml)")
     stored = load_config(run.config_path)
     diff = config_diff(stored, cfg, ignore=("rounds", "run"))
     if diff:
@@ -120,12 +118,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     progress = progress or (lambda ev: None)
     thread_env()  # inherited by the worker processes (and the forkserver) before torch starts
 
+    run = RunLog(cfg.run_dir())
+    if resume and not run.started():  # before the data and model checks, whose hints would mislead here
+        raise UsageError(f"--resume: {run.root} holds no run (no config.yaml)")
     Objective(cfg.objective, cfg.loss)  # a bad or out-of-scope loss setting fails here, before any process starts
     check_placement(cfg)
     keys = list(load_task_table(cfg.data.train, cfg.data.limit))
     policy_dir = resolve_model(cfg.model.policy, "model.policy")
     teacher_dir = resolve_model(cfg.model.teacher, "model.teacher") if cfg.objective == "opd" else None
-    run = RunLog(cfg.run_dir())
     start, init_dir, offsets = _prepare_run(run, cfg, resume, policy_dir)
     plans = [plan_round(keys, cfg.seed, r, cfg.rollout.prompts_per_round, cfg.rollout.group_size, save_at(cfg, r))
              for r in range(start + 1, cfg.rounds + 1)]

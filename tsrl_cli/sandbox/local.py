@@ -426,6 +426,16 @@ class LocalSandbox(Sandbox):
         own = [d for d in dirs if _hidden_parent(d) is None and not _under(d, SYSTEM_ROOTS)]
         return out + [d for d in own if d not in out]
 
+    def _private_tmp_parents(self) -> list[str]:
+        """Ancestors of ro_binds and the working directory inside the private /tmp or /var/tmp (outermost
+        first): made in that fresh tmpfs so the sandbox uid can walk down to them."""
+        out: list[str] = []
+        for path in (*self.ro_binds, str(self.workdir)):
+            for a in map(str, reversed(Path(path).parents)):
+                if _under(a, PRIVATE_TMP) and a not in PRIVATE_TMP and a not in out:
+                    out.append(a)
+        return out
+
     def _bwrap(self, mounts: Sequence[Mount] = ()) -> list[str]:
         wd = str(self.workdir)
         splices, dirs = mount_layout(mounts)
@@ -440,6 +450,8 @@ class LocalSandbox(Sandbox):
             cmd += ["--perms", "0755", "--tmpfs", a, *self._bwrap_entries(a)]
         for d in PRIVATE_TMP:
             cmd += ["--perms", "01777", "--tmpfs", d]
+        for d in self._private_tmp_parents():  # an interpreter under /tmp (a checkout there): bwrap makes 0700
+            cmd += ["--perms", "0755", "--dir", d]
         for d in HIDDEN_ETC:
             if os.path.isdir(d):
                 cmd += ["--perms", "0755", "--tmpfs", d]
