@@ -1,11 +1,32 @@
 """Shared fixtures: tiny models built locally from a config (no hub), one torch thread."""
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)  # measured here: extra OpenMP threads beside a busy process run far slower
+
+
+def pytest_runtest_setup(item):
+    """`@pytest.mark.sandboxed`: skip where the sandbox itself would refuse (its own choice and reason)."""
+    if item.get_closest_marker("sandboxed") is not None:
+        reason = _no_isolation()
+        if reason:
+            pytest.skip(f"sandbox: {reason}")
+
+
+@functools.cache
+def _no_isolation() -> str:
+    """The sandbox's reason for refusing, '' where bwrap or unshare works."""
+    from tsrl_cli.sandbox.local import IsolationError, choose_isolation
+
+    try:
+        choose_isolation("auto")
+        return ""
+    except IsolationError as e:
+        return str(e)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ from tsrl_cli.errors import UsageError
 from tsrl_cli.rollouts import parse_rollout, read_rollouts
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FIND = settings(deadline=None)  # hypothesis.find: a first call slowed by a busy machine is not a failure
 
 # JSON as Python decodes it: json.loads also reads NaN, Infinity and integers of any size
 scalars = st.none() | st.booleans() | st.integers() | st.integers(-2**1100, 2**1100) | st.floats() | st.text(max_size=8)
@@ -114,8 +115,8 @@ def test_rollouts_file_of_random_lines(tmp_path_factory, lines):
 
 
 def test_rollout_strategy_reaches_both_outcomes():
-    find(rollout_objects(), lambda o: rollout_outcome(o) == "ok" and o != GOOD)
-    find(rollout_objects(), lambda o: rollout_outcome(o) == "refused")
+    find(rollout_objects(), lambda o: rollout_outcome(o) == "ok" and o != GOOD, settings=FIND)
+    find(rollout_objects(), lambda o: rollout_outcome(o) == "refused", settings=FIND)
 
 
 def test_the_harness_catches_a_crashing_parser(monkeypatch):
@@ -200,6 +201,7 @@ def test_experiment_file_of_any_text(tmp_path_factory, text):
 
 def test_config_strategies_reach_both_outcomes():
     find(overrides(), lambda o: config_outcome(lambda: validate_config(_merge(TrainConfig(), o))) == "ok"
-         and _merge(TrainConfig(), o) != TrainConfig())
-    find(overrides(), lambda o: config_outcome(lambda: validate_config(_merge(TrainConfig(), o))) == "refused")
+         and _merge(TrainConfig(), o) != TrainConfig(), settings=FIND)
+    find(overrides(), lambda o: config_outcome(lambda: validate_config(_merge(TrainConfig(), o))) == "refused",
+         settings=FIND)
     assert parse_set("rollout.group_size=4") == {"rollout": {"group_size": 4}}

@@ -24,7 +24,9 @@ position 0 predicts nothing and is 0.
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
+import shutil
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -244,22 +246,30 @@ def save_policy(model, tokenizer, out_dir: str | Path, *, dtype: str | torch.dty
 
     dtype: save a copy cast to it (the model itself is untouched). A LoRA model is saved merged
     (loadable with AutoModelForCausalLM) with its PEFT adapter in adapter/.
+    A full disk is OSError(ENOSPC) naming the folder, whichever library was writing (torch.save reports
+    it as a RuntimeError); nothing of the folder is left.
     """
     out = Path(out_dir)
-    with atomic_dir(out) as tmp:
-        if is_lora(model):
-            merged = copy.deepcopy(model).merge_and_unload()
-            (merged if dtype is None else merged.to(_dtype(dtype))).save_pretrained(str(tmp))
-            del merged
-            model.save_pretrained(str(tmp / ADAPTER_DIR))
-        elif dtype is not None:
-            copy.deepcopy(model).to(_dtype(dtype)).save_pretrained(str(tmp))
-        else:
-            model.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        if extra is not None:
-            extra(tmp)
+    try:
+        with atomic_dir(out) as tmp:
+            if is_lora(model):
+                merged = copy.deepcopy(model).merge_and_unload()
+                (merged if dtype is None else merged.to(_dtype(dtype))).save_pretrained(str(tmp))
+                del merged
+                model.save_pretrained(str(tmp / ADAPTER_DIR))
+            elif dtype is not None:
+                copy.deepcopy(model).to(_dtype(dtype)).save_pretrained(str(tmp))
+            else:
+                model.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                tokenizer.save_pretrained(str(tmp))
+            if extra is not None:
+                extra(tmp)
+    except (OSError, RuntimeError) as e:
+        if getattr(e, "errno", None) != errno.ENOSPC and shutil.disk_usage(out.parent).free >= (1 << 20):
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on the disk of {out.parent} while writing {out.name} "
+                                    "(nothing of it was kept)") from None
     return out
 
 

@@ -2,7 +2,6 @@
 kept apart, and usable by `tsrl env exec` exactly as the agent would use them."""
 
 import json
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -13,8 +12,6 @@ from tsrl_cli.datasets.store import EMBEDDED_SETS, open_dataset
 from tsrl_cli.embedded.prepare import prepare_embedded
 from tsrl_cli.envs.tasks import run_in_task
 
-needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                     reason="no sandbox isolation (bubblewrap or unshare)")
 SMALL = {"repos": ["roman", "money"], "max_per_repo": 3, "n_terminal_train": 6, "n_terminal_heldout": 3}
 
 
@@ -43,7 +40,7 @@ def test_rebuild_is_deterministic_and_a_no_op(built):
         assert again[name]["unchanged"] and again[name]["content_sha256"] == first[name]["content_sha256"]
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_env_exec_runs_the_failing_tests(built):
     root, _ = built
     tasks = open_dataset(str(root / "embedded_repair_train")).tasks

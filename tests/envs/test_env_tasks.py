@@ -1,7 +1,6 @@
 """`tsrl env list` / `tsrl env exec --task` on a prepared dataset (terminal-bench fixtures)."""
 
 import json
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -9,8 +8,6 @@ from typer.testing import CliRunner
 from tsrl_cli.cli import app
 
 runner = CliRunner()
-needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                     reason="no sandbox isolation (bubblewrap or unshare)")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +24,7 @@ def test_list_tasks_json(tb):
     assert all(t["local_start"] for t in doc["tasks"])
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_exec_in_a_task_sandbox(tb):
     res = runner.invoke(app, ["env", "exec", "--task", "hello-world", "--dataset", str(tb), "--json", "--", "ls"])
     assert res.exit_code == 0, res.output

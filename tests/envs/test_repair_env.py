@@ -19,8 +19,7 @@ from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.rollouts import parse_rollout
 
 REPO = Path(__file__).parent.parent / "fixtures" / "repair_calc"
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                reason="no sandbox isolation (bubblewrap or unshare) on this machine")
+pytestmark = pytest.mark.sandboxed
 
 
 def task():

@@ -26,8 +26,7 @@ from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.envs.repair import test_files as files_of
 from tsrl_cli.envs.tasks import make_env, start_dir
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                reason="no sandbox isolation (bubblewrap or unshare)")
+pytestmark = pytest.mark.sandboxed
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FORCE_PASS = '''
 import pytest

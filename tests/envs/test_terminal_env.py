@@ -1,7 +1,6 @@
 """A Harbor-layout terminal task end to end: scripted policy -> agent loop -> sandbox -> test.sh -> reward."""
 
 import asyncio
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -14,8 +13,7 @@ from tsrl_cli.engines.base import TurnBatcher
 from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.envs.tasks import find_task, make_env
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                reason="no sandbox isolation (bubblewrap or unshare) on this machine")
+pytestmark = pytest.mark.sandboxed
 
 
 @pytest.fixture(scope="module")

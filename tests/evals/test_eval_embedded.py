@@ -18,8 +18,6 @@ from tsrl_cli.evals.embedded import LABEL, evaluate_embedded, tree_diff
 from tsrl_cli.evals.runner import RecordLog
 from tsrl_cli.evals.stats import wilson_interval
 
-needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                     reason="no sandbox isolation (bubblewrap or unshare)")
 SUBMIT = "```bash\nsubmit\n```"
 SETS = ("embedded_repair_heldout", "embedded_terminal_heldout")
 
@@ -58,7 +56,7 @@ def run(suite, tok, policy, **kw):
     return evaluate_embedded(None, tok, [str(suite / n) for n in SETS], engine=ScriptedEngine(tok, policy), **kw)
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_known_resolved_count_and_patches(suite, tok, tmp_path):
     ids = all_ids(suite)
     solve = {ids[SETS[0]][0], ids[SETS[0]][2], ids[SETS[1]][1]}  # 2 of 3 repair tasks, 1 of 3 terminal tasks
@@ -95,7 +93,7 @@ def test_known_resolved_count_and_patches(suite, tok, tmp_path):
         assert tree_diff(work, d / t.start_dir) != "" and tree_diff(work, gold) == ""
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_resume_skips_finished_instances(suite, tok, tmp_path):
     out = tmp_path / "out"
     ids = all_ids(suite)
@@ -123,7 +121,7 @@ def test_resume_skips_finished_instances(suite, tok, tmp_path):
         run(suite, tok, Policy(suite, set()), out_dir=out, temperature=1.0)
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_several_seeds_give_per_seed_rows(suite, tok):
     ids = all_ids(suite)
     s = run(suite, tok, Policy(suite, {ids[SETS[0]][0]}), seeds=(0, 1), limit=1)
@@ -160,7 +158,7 @@ def test_missing_model_or_data_exit_2(tmp_path, monkeypatch):
     assert len(res.stderr.strip().splitlines()) <= 3  # one message (soft-wrapped at most)
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_cli_with_a_real_checkpoint_dir(suite, ckpt, tmp_path):
     """A save_pretrained directory (what `tsrl train` writes) evaluates as it is: hf engine, real model."""
     args = ["eval", "embedded", "--model", str(ckpt), "--limit", "1", "--max-turns", "1", "--out", str(tmp_path / "out")]

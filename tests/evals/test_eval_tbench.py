@@ -2,7 +2,6 @@
 the docker executor's refusals without a daemon, and --via-harbor's command and prerequisites."""
 
 import json
-import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -15,8 +14,6 @@ from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals import tbench as tb
 
-needs_isolation = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                     reason="no sandbox isolation (bubblewrap or unshare)")
 BOGUS_DOCKER = "unix:///nonexistent/tsrl-test-docker.sock"
 
 
@@ -26,7 +23,7 @@ def tbds(tmp_path_factory, prepare_fixture):
     return prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", out)
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_local_end_to_end_known_count(suite, tok, tmp_path):
     ds = open_dataset(str(suite / "embedded_terminal_heldout"))
     d, tasks = ds.path, ds.tasks
@@ -47,7 +44,7 @@ def test_local_end_to_end_known_count(suite, tok, tmp_path):
     assert all(r["patch"] is None and r["reward"] in (0.0, 1.0) for r in recs)
 
 
-@needs_isolation
+@pytest.mark.sandboxed
 def test_cli_local_with_a_checkpoint(suite, ckpt, tmp_path):
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(suite / "embedded_terminal_heldout"), "--executor",
                                    "local", "--model", str(ckpt), "--limit", "1", "--max-turns", "1",

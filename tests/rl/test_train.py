@@ -265,8 +265,7 @@ def app_():
     return app
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                    reason="no sandbox isolation (bubblewrap or unshare)")
+@pytest.mark.sandboxed
 def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path, prepare_fixture):
     """The same engine on a prepared dataset: one sandbox per trajectory and the task's own verifier."""
     prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
@@ -277,8 +276,7 @@ def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path, prepare_fixtur
     assert len(m) == 1 and m[0]["trajectories"] == 2 and not any(k.startswith("env_error") for k in m[0]["exit_reasons"])
 
 
-@pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                    reason="no sandbox isolation (bubblewrap or unshare)")
+@pytest.mark.sandboxed
 def test_eval_every_writes_held_out_metrics(toy_config, tmp_path, prepare_fixture, monkeypatch):
     """eval.every K: the initial and every K-th round's weights are evaluated on a held-out set; the
     numbers join that round's metrics row (and equal a direct evaluation of the same checkpoint, here

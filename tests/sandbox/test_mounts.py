@@ -6,7 +6,6 @@ Each case runs under every isolation this machine offers (bwrap; unshare as root
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -19,18 +18,6 @@ from tsrl_cli.sandbox.local import LocalSandbox
 
 SMALL = Limits(cpu_time_s=5, memory_bytes=1 << 30, processes=64, file_size_bytes=1 << 20,
                output_bytes=64 << 10, output_kill_bytes=1 << 20)
-ISOLATIONS = [
-    pytest.param("bwrap", marks=pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")),
-    pytest.param("unshare", marks=pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                                     reason="unshare isolation needs root")),
-]
-
-
-@pytest.fixture(params=ISOLATIONS)
-def isolation(request):
-    if request.param == "bwrap" and not local_mod.bwrap_works():
-        pytest.skip("bwrap is installed but cannot create namespaces here")
-    return request.param
 
 
 @pytest.fixture

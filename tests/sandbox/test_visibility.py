@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -20,18 +19,6 @@ from tsrl_cli.sandbox import local as local_mod
 from tsrl_cli.sandbox.local import LocalSandbox
 
 CHECKOUT = Path(tsrl_cli.__file__).resolve().parents[1]
-ISOLATIONS = [
-    pytest.param("bwrap", marks=pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed")),
-    pytest.param("unshare", marks=pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                                     reason="unshare isolation needs root")),
-]
-
-
-@pytest.fixture(params=ISOLATIONS)
-def isolation(request):
-    if request.param == "bwrap" and not local_mod.bwrap_works():
-        pytest.skip("bwrap is installed but cannot create namespaces here")
-    return request.param
 
 
 @pytest.fixture

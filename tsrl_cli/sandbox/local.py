@@ -112,6 +112,23 @@ _FORK_ERRORS = ("fork: retry: Resource temporarily unavailable", "fork: Resource
                 "Resource temporarily unavailable", "BlockingIOError")
 
 
+def limit_from_exit(rc: int, stderr: str) -> str | None:
+    """The limit a command's exit status and stderr name, where no cgroup counter did: "cpu_time",
+    "file_size", "processes", "memory", or None."""
+    if rc == 128 + signal.SIGXCPU or "CPU time limit exceeded" in stderr:
+        return "cpu_time"
+    if rc == 128 + signal.SIGXFSZ or "File size limit exceeded" in stderr or "File too large" in stderr:
+        return "file_size"
+    # A fork bomb's shell reports EAGAIN ("fork: retry: ...") at the process cap, then ENOMEM
+    # ("fork: Cannot allocate memory") once the pid namespace's init has exited (the kernel's
+    # alloc_pid answers ENOMEM there): with any EAGAIN present, the cap hit was on processes.
+    if any(s in stderr for s in _FORK_ERRORS):
+        return "processes"
+    if any(s in stderr for s in _MEMORY_ERRORS):
+        return "memory"
+    return None
+
+
 def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
@@ -132,12 +149,13 @@ def default_ro_binds() -> list[str]:
 
 
 def visible_parents(path: str) -> list[str]:
-    """Ancestors of `path` (outermost first, "/" excluded) the sandbox's own root must make as directories:
-    those outside SYSTEM_ROOTS and outside the private /tmp and /var/tmp."""
+    """Ancestors of `path` (outermost first) the sandbox must make as directories: those outside SYSTEM_ROOTS,
+    except "/" and the private /tmp and /var/tmp themselves (a path under /tmp needs its parents made in
+    that fresh tmpfs, as a checkout's venv there does)."""
     out = []
     for a in reversed(Path(path).parents):
         a = str(a)
-        if a != "/" and not _under(a, SYSTEM_ROOTS) and not _under(a, PRIVATE_TMP):
+        if a != "/" and a not in PRIVATE_TMP and not _under(a, SYSTEM_ROOTS):
             out.append(a)
     return out
 
@@ -426,16 +444,6 @@ class LocalSandbox(Sandbox):
         own = [d for d in dirs if _hidden_parent(d) is None and not _under(d, SYSTEM_ROOTS)]
         return out + [d for d in own if d not in out]
 
-    def _private_tmp_parents(self) -> list[str]:
-        """Ancestors of ro_binds and the working directory inside the private /tmp or /var/tmp (outermost
-        first): made in that fresh tmpfs so the sandbox uid can walk down to them."""
-        out: list[str] = []
-        for path in (*self.ro_binds, str(self.workdir)):
-            for a in map(str, reversed(Path(path).parents)):
-                if _under(a, PRIVATE_TMP) and a not in PRIVATE_TMP and a not in out:
-                    out.append(a)
-        return out
-
     def _bwrap(self, mounts: Sequence[Mount] = ()) -> list[str]:
         wd = str(self.workdir)
         splices, dirs = mount_layout(mounts)
@@ -450,15 +458,13 @@ class LocalSandbox(Sandbox):
             cmd += ["--perms", "0755", "--tmpfs", a, *self._bwrap_entries(a)]
         for d in PRIVATE_TMP:
             cmd += ["--perms", "01777", "--tmpfs", d]
-        for d in self._private_tmp_parents():  # an interpreter under /tmp (a checkout there): bwrap makes 0700
-            cmd += ["--perms", "0755", "--dir", d]
         for d in HIDDEN_ETC:
             if os.path.isdir(d):
                 cmd += ["--perms", "0755", "--tmpfs", d]
         for f in HIDDEN_FILES:
             if os.path.exists(f):
                 cmd += ["--ro-bind", "/dev/null", f]
-        for d in self._made_dirs(mounts, dirs):  # traversable by the sandbox uid (bwrap: 0700)
+        for d in self._made_dirs(mounts, dirs):  # after the private /tmp; traversable by the sandbox uid (bwrap: 0700)
             cmd += ["--perms", "0755", "--dir", d]
         for p in self.ro_binds:
             cmd += ["--ro-bind", p, p]
@@ -697,15 +703,7 @@ class LocalSandbox(Sandbox):
             return "memory"
         if pids_hits > before[0]:
             return "processes"
-        if rc == 128 + signal.SIGXCPU or "CPU time limit exceeded" in stderr:
-            return "cpu_time"
-        if rc == 128 + signal.SIGXFSZ or "File size limit exceeded" in stderr or "File too large" in stderr:
-            return "file_size"
-        if any(s in stderr for s in _MEMORY_ERRORS):
-            return "memory"
-        if any(s in stderr for s in _FORK_ERRORS):
-            return "processes"
-        return None
+        return limit_from_exit(rc, stderr)
 
     def close(self) -> None:
         if self._closed:

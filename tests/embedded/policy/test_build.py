@@ -4,7 +4,6 @@ one process, and the build key that lets a fresh checkout keep the shipped polic
 
 import asyncio
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -21,8 +20,7 @@ from tsrl_cli.envs import repair as repair_env
 from tsrl_cli.policy import load_policy
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                reason="no sandbox isolation (bubblewrap or unshare)")
+pytestmark = pytest.mark.sandboxed
 SMALL = {"repos": ["roman", "money"], "max_per_repo": 3, "n_terminal_train": 4, "n_terminal_heldout": 2}
 # the shipped recipe at toy size: every phase runs, in seconds
 TINY = PolicyBuildConfig(aug_terminal=6, vocab_size=400, hidden=32, layers=1, max_positions=2048, student_epochs=1,

@@ -1,7 +1,6 @@
 """Demonstrations run in real environments, rendered as the agent loop renders them; SFT on them."""
 
 import asyncio
-import shutil
 import subprocess
 from dataclasses import replace
 
@@ -28,8 +27,7 @@ from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.policy import build_tiny_model, load_policy, save_policy
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and shutil.which("unshare") is None,
-                                reason="no sandbox isolation (bubblewrap or unshare)")
+pytestmark = pytest.mark.sandboxed
 SMALL = {"repos": ["roman", "money"], "max_per_repo": 2, "n_terminal_train": 6, "n_terminal_heldout": 3}
 
 
