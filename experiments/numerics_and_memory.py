@@ -43,6 +43,7 @@ def naive_stream(model, ro, obj, seed):
     random.Random(seed).shuffle(order)
     for r in order:
         learner.on_trajectory(r)
+        learner.drain()  # per arrival
     return learner.close_round()
 
 

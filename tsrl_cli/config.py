@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from tsrl_cli.devices import one_device
+from tsrl_cli.devices import one_device, parse_devices
 from tsrl_cli.errors import UsageError
 
 OBJECTIVES = ("grpo", "opd")
@@ -88,6 +88,10 @@ class LossConfig:
     norm_constant: float | None = None  # C of seq-mean-token-sum-norm (required there)
     global_batch_size: int | None = None  # B of the seq-mean-* modes (None: the round's non-empty sequences)
     max_open_groups: int | None = None  # stream: cap on groups holding buffers at once (later ones: at close)
+    # where the streaming buffers (S_r, S_1, unit buffers, R) live: device (beside the parameters) | cpu
+    # (host memory, pinned; on a GPU the folds run on a copy stream while the next backward goes on)
+    buffer_device: str = "device"
+    buffer_dtype: str = "float32"  # float32 (float64 for a float64 model) | bfloat16 (opt-in: half the bytes, not exact)
     # Outside the scope where streaming is exact: any value but these defaults is refused (ScopeError)
     ppo_epochs: int = 1  # later epochs see moved weights (ratio != 1)
     mini_batches_per_round: int = 1  # several optimizer steps per round
@@ -137,12 +141,24 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class DevicesConfig:
-    """One device per process: cpu, a CUDA index (4), cuda:N; ranges (4-7) are refused for now."""
+    """Where each process runs: cpu, a CUDA index (4), cuda:N; the learner also takes a range (4-7), a list
+    (4,5,6,7) or cpu:N, one rank per device (a sharded learner group, rl/group.py)."""
 
     # a bare CUDA index is an int in YAML (`learner: 4`, `--set devices.learner=4`): both are accepted
-    rollout: str | int = "cpu"  # the policy engine
+    rollout: str | int = "cpu"  # the policy engine (one device)
     learner: str | int = "cpu"  # the model being trained, its optimizer and streaming buffers
-    teacher: str | int | None = None  # OPD teacher; None = the rollout device
+    teacher: str | int | None = None  # OPD teacher (one device); None = the rollout device
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """How the learner batches its backwards (every schedule; docs/streaming.md, "Micro-batching")."""
+
+    # cap on one backward's padded token positions (rows x longest row); None = no cap. Whatever is queued
+    # of one fold target (a complete group's members, an open group's members with one reward, ...) goes
+    # in one backward up to this; the first arrival never waits for company. sync's lazy batch splits too.
+    max_microbatch_tokens: int | None = None
+    max_microbatch_items: int | None = None  # cap on rows per backward; None = no cap (1 = per-arrival)
 
 
 @dataclass(frozen=True)
@@ -172,6 +188,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def run_dir(self) -> Path:
@@ -383,9 +400,13 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         spec = getattr(cfg.devices, side)
         if spec is not None:
             try:
-                one_device(spec, f"devices.{side}")
+                (parse_devices if side == "learner" else one_device)(spec, f"devices.{side}")
             except UsageError as e:
                 raise ConfigError(str(e)) from None
+    for k in ("max_microbatch_tokens", "max_microbatch_items"):
+        v = getattr(cfg.learner, k)
+        if v is not None and v < 1:
+            raise ConfigError(f"config key learner.{k}: must be >= 1 (or null for no cap), got {v}")
     if not cfg.name or "/" in cfg.name:
         raise ConfigError(f"config key name: {cfg.name!r} must be a non-empty name without '/'")
     return cfg

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tsrl_cli.core.accumulator import RoundGradAccumulator
+from tsrl_cli.core.advantages import group_stats
 
 SHAPES = [(5, 3), (7,)]
 
@@ -52,10 +53,14 @@ def stream(items, params, order_seed, norm_by_std=True, z=1.0, center=True):
     random.Random(order_seed).shuffle(order)
     for gid, r, grads in order:
         acc.add_member(gid, r, grads, norm_by_std)
-        seen[gid] = seen.get(gid, 0) + 1
-        if seen[gid] == sizes[gid]:
-            acc.close_group(gid, norm_by_std)
+        seen.setdefault(gid, []).append(r)
+        if len(seen[gid]) == sizes[gid]:
+            acc.close_group(gid, stats_of(seen[gid], norm_by_std))
     return acc.finalize(z), acc
+
+
+def stats_of(rewards, norm_by_std=True):
+    return group_stats(torch.tensor(rewards, dtype=torch.float64), norm_by_std)
 
 
 def rel(a, b):
@@ -108,12 +113,12 @@ def test_buffers_are_float32_for_bf16_params_and_memory_is_two_sets_per_open_gro
     acc.add_member("b", 0.0, g)
     assert acc.open_bytes == 2 * 2 * 4 * n
     acc.add_member("a", 0.0, g)
-    acc.close_group("a")
+    acc.close_group("a", stats_of([1.0, 0.0]))
     assert acc.open_bytes == 2 * 4 * n and acc.peak_open_bytes == 4 * 4 * n
     with pytest.raises(RuntimeError, match="open group"):
         acc.finalize(1.0)
     acc.add_member("b", 1.0, g)
-    acc.close_group("b")
+    acc.close_group("b", stats_of([0.0, 1.0]))
     out = acc.finalize(1.0)
     assert all(o.dtype == torch.float32 for o in out)
 
@@ -127,6 +132,34 @@ def test_dr_grpo_holds_one_buffer_per_open_group():
     acc2.add_member("g", 1.0, items[0][2], norm_by_std=False)
     with pytest.raises(ValueError, match="norm_by_std"):
         acc2.add_member("g", 0.0, items[1][2], norm_by_std=True)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_members_sharing_a_reward_fold_at_once(norm_by_std):
+    """Micro-batching's premise: the summed gradient of members with one reward, folded once, equals
+    folding them one by one (both weights, r - b and 1, are shared)."""
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0]
+    items = make_round([len(rewards)], torch.float64, 21, lambda rng, g, i: rewards[i])
+    items.append(("anchor", 1.0, [torch.ones(s, dtype=torch.float64) for s in SHAPES]))
+    acc = RoundGradAccumulator(params_of(torch.float64))
+    classes: dict = {}
+    for gid, r, grads in items[:-1]:
+        prev = classes.get(r)
+        classes[r] = grads if prev is None else [a + b for a, b in zip(prev, grads)]
+    for r, grads in reversed(list(classes.items())):  # one fold per reward value, in another order
+        acc.add_member("g0", r, grads, norm_by_std)
+    acc.close_group("g0", stats_of(rewards, norm_by_std))
+    acc.add_member("anchor", 1.0, items[-1][2], norm_by_std)
+    acc.close_group("anchor", stats_of([1.0], norm_by_std))
+    assert rel(acc.finalize(1 / 9), reference(items, norm_by_std, z=1 / 9)) <= 1e-12
+
+
+def test_buffers_follow_dtype_and_device_options():
+    acc = RoundGradAccumulator(params_of(torch.float64), dtype=torch.bfloat16, device="cpu")
+    acc.add([torch.ones(s, dtype=torch.float64) for s in SHAPES], 0.5)
+    out = acc.finalize(2.0)
+    assert all(o.dtype == torch.bfloat16 and o.device.type == "cpu" and float(o.flatten()[0]) == 1.0 for o in out)
+    assert acc.param_bytes == 2 * sum(p.numel() for p in params_of(torch.float64))
 
 
 def test_units_defer_their_scalar():

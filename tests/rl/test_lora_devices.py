@@ -91,7 +91,9 @@ def test_lora_float64_sync_equals_stream_and_only_adapters_train(toy_config, toy
 
 @pytest.mark.slow
 def test_lora_resume_equals_uninterrupted(toy_config):
-    sets = {"schedule": "stream", "rounds": 3, "run.save_every": 1, "rollout.batch_invariant": True}
+    # one backward per arrival: micro-batches would follow arrival timing, and float32 sums their order
+    sets = {"schedule": "stream", "rounds": 3, "run.save_every": 1, "rollout.batch_invariant": True,
+            "learner.max_microbatch_items": 1}
     full = toy_config(*_set(LORA), out="full", **sets)
     train(full)
     crashed = toy_config(*_set(LORA), out="crashed", **sets)
@@ -109,7 +111,8 @@ def test_parse_devices():
     assert parse_devices("4-7", "k") == ("cuda:4", "cuda:5", "cuda:6", "cuda:7")
     assert parse_devices("0,2", "k") == ("cuda:0", "cuda:2")
     assert parse_devices("cuda:1", "k") == ("cuda:1",)
-    for bad in ("gpu", "3-1", "1,1", ""):
+    assert parse_devices("cpu:3", "k") == ("cpu", "cpu", "cpu")
+    for bad in ("gpu", "3-1", "1,1", "", "cpu:0", "cpu:x"):
         with pytest.raises(UsageError):
             parse_devices(bad, "devices.learner")
 
@@ -117,8 +120,10 @@ def test_parse_devices():
 def test_device_config_errors(toy_config):
     from tsrl_cli.config import ConfigError
 
+    assert toy_config(**{"devices.learner": "4-7"}).devices.learner == "4-7"  # a learner group
     with pytest.raises(ConfigError, match="one device"):
-        toy_config(**{"devices.learner": "4-7"})
+        toy_config(**{"devices.rollout": "0-3"})  # engine replicas: not implemented
+
     with pytest.raises(ConfigError, match="lora"):
         toy_config(**{"lora.rank": -1})
 

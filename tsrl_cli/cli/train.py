@@ -48,8 +48,8 @@ def train(
     max_staleness: Annotated[int | None, typer.Option(help="async: how many versions rollouts may lag the learner (>= 1). Default 1.")] = None,
     tis_cap: Annotated[float | None, typer.Option(help="async: truncated importance sampling cap (e.g. 2.0); default off.")] = None,
     lora_rank: Annotated[int | None, typer.Option(help="LoRA adapter rank (PEFT); 0 = full fine-tuning (default). Streaming buffers, optimizer state and weight sync then cover the adapters only.")] = None,
-    rollout_devices: Annotated[str | None, typer.Option(help="Device of the rollout process (policy engine): cpu (default), a CUDA index like 0, or cuda:N. One device for now.")] = None,
-    learner_devices: Annotated[str | None, typer.Option(help="Device of the learner process: cpu (default), a CUDA index like 4, or cuda:N. One device for now (no learner sharding yet).")] = None,
+    rollout_devices: Annotated[str | None, typer.Option(help="Device of the rollout process (policy engine): cpu (default), a CUDA index like 0, or cuda:N. One device (engine replicas are not implemented).")] = None,
+    learner_devices: Annotated[str | None, typer.Option(help="Learner devices, one rank each: cpu (default), a CUDA index (4), a range (4-7) or list (4,5,6,7) for a sharded learner group on GPUs, cpu:N for N CPU ranks.")] = None,
     out: Annotated[str | None, typer.Option(help="Run directory. Default results/<name>/<schedule>/seed<seed>.")] = None,
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. Default 0: only at the end.")] = None,
     save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts", help="Write rollouts.jsonl.")] = None,
@@ -79,6 +79,8 @@ def train(
             summary = run_train(cfg, resume=resume, progress=display)
         finally:
             display.stop()
+    if summary is None:  # a learner rank under torchrun: global rank 0 reports the run
+        return
     if json_out:
         typer.echo(json.dumps(summary))
         return

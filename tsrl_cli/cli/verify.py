@@ -33,6 +33,10 @@ def verify(
     groups: Annotated[int, typer.Option(help="Random rollouts: number of groups.")] = 4,
     group_size: Annotated[int, typer.Option(help="Random rollouts: samples per group.")] = 8,
     max_open_groups: Annotated[int | None, typer.Option(help="Cap on groups holding buffers at once; later groups are computed at their close (still exact).")] = None,
+    queued: Annotated[int, typer.Option(help="Arrivals queued before the learner runs: 1 = a backward per arrival; K > 1 = what is queued is micro-batched (one backward per fold target).")] = 1,
+    max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows x longest row); default no cap.")] = None,
+    buffer_dtype: Annotated[str, typer.Option(help="Streaming buffers: float32 (float64 for a float64 model) | bfloat16 (opt-in, not exact: the difference printed is its measured error).")] = "float32",
+    buffer_device: Annotated[str, typer.Option(help="Streaming buffers: device (beside the parameters) | cpu (host memory).")] = "device",
     save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -48,10 +52,11 @@ def verify(
 
         loss = LossConfig(loss_agg=loss_agg, adv_norm=adv_norm, adv_eps=adv_eps, kl_coef=kl_coef, kl_type=kl_type,
                           entropy_coef=entropy_coef, opd_form=opd_form, opd_coef=opd_coef, norm_constant=norm_constant,
-                          global_batch_size=global_batch_size, max_open_groups=max_open_groups)
+                          global_batch_size=global_batch_size, max_open_groups=max_open_groups,
+                          buffer_dtype=buffer_dtype, buffer_device=buffer_device)
         opts = VerifyOptions(model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss=loss,
                              dtype=dtype, order=order, seed=seed, groups=groups, group_size=group_size,
-                             save_grads=save_grads)
+                             queued=queued, max_microbatch_tokens=max_microbatch_tokens, save_grads=save_grads)
         res = run_verify(opts, progress=progress_printer(not json_out))
     if json_out:
         typer.echo(json.dumps(res))
@@ -70,7 +75,8 @@ def _render(console, res: dict) -> None:
     t.add_row("model", f"{res['model']} ({res['params']:,} parameters)")
     t.add_row("rollouts", f"{res['rollouts']}: {res['num_trajectories']} trajectories, {res['num_groups']} groups, "
               f"{res['num_loss_tokens']} loss tokens")
-    t.add_row("stream", f"{res['num_items']} arrivals, {res['stream_backwards']} backward(s)")
+    t.add_row("stream", f"{res['num_items']} arrivals, {res['microbatches']} micro-batch(es), "
+              f"{res['stream_backwards']} backward(s); buffers {res['buffer_dtype']} on {res['buffer_device']}")
     t.add_row("max |lazy - stream|", f"{res['max_abs_diff']:.3e}  (max |grad| {res['max_abs_grad']:.3e})")
     t.add_row("relative difference", f"{res['max_rel_diff']:.3e}  (tolerance {res['tolerance']:.0e})")
     t.add_row("worst parameter", f"{res['worst_param']}: relative {res['worst_param_rel_diff']:.3e}, "

@@ -1,13 +1,27 @@
-"""One round's policy gradient, two timings: lazy (`sync`) and streaming (`stream`).
+"""One round's policy gradient: the lazy reference and the learner engine that `sync`, `stream` and `async` share.
 
-Both take the same `Objective` and the same frozen weights; only *when* each backward runs
-differs.  This module holds no formulas: it assembles core/ functions per trajectory or turn.
+Both take the same `Objective` and the same frozen weights; only *when* each backward runs differs.
+This module holds no formulas: it assembles core/ functions per row of a micro-batch.
 
-  Objective(kind, loss)                  grpo | opd, and the loss settings (config.LossConfig), checked
-  lazy_loss(model, rollouts, obj)        every trajectory, one padded batch, one loss (verl style)
-  StreamLearner.on_trajectory(r)         GRPO: backward the moment a trajectory's reward exists
-  StreamLearner.on_turn(r, k)            OPD: backward the moment turn k's teacher scores exist
-  StreamLearner.close_round()            apply the round scalar once -> gradient list
+  Objective(kind, loss)            grpo | opd, and the loss settings (config.LossConfig), checked
+  lazy_loss(model, rollouts, obj)  every trajectory, one padded batch, one loss (verl style): the reference
+  StreamLearner                    the engine: items arrive (a GRPO trajectory with its reward, an OPD turn
+                                   with its teacher scores); what is queued is backwarded in micro-batches;
+                                   group and round scalars join at their close
+
+Micro-batching stays exact because one backward is taken per *fold target*, never across targets:
+  - a GRPO group whose rewards are all known ("complete") has its advantages: any of its members, of
+    any complete groups, go into the round buffer R in one backward with weights A_i;
+  - members of an open group with the same reward share their weight in both S_r and S_1 (docs/
+    streaming.md): one backward per (group, reward value) class, folded with (r - b) and 1;
+  - OPD turns go into R (their scalar is known: 1, or 1/n_i once the trajectory ended under
+    seq-mean-token-mean), or into their trajectory's unit buffer while n_i is still unknown;
+    queued turns of one trajectory share one row: the longest prefix's forward scores them all.
+The first arrival never waits for company: the engine backwards whatever is queued when it is free.
+
+On a learner group (rl/group.py) every rank runs this engine on the same arrivals, plans the same
+micro-batches, backwards its own one per lockstep pass, and the folding all-to-all puts each source
+rank's gradient into that rank's target: the same buffers, sharded.
 """
 
 from __future__ import annotations
@@ -20,7 +34,7 @@ import torch
 
 from tsrl_cli.config import OBJECTIVES, LossConfig
 from tsrl_cli.core.accumulator import RoundGradAccumulator
-from tsrl_cli.core.advantages import ADVANTAGES, group_stats
+from tsrl_cli.core.advantages import ADVANTAGES, GroupStats, group_stats
 from tsrl_cli.core.losses import (
     KL_TYPES,
     LOSS_AGG_MODES,
@@ -34,7 +48,11 @@ from tsrl_cli.core.losses import (
 )
 from tsrl_cli.errors import ScopeError, UsageError
 from tsrl_cli.policy import forward_logprobs
+from tsrl_cli.rl.hostfold import HostFold
 from tsrl_cli.rollouts import Rollout
+
+BUFFER_DEVICES = ("device", "cpu")
+BUFFER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,12 @@ class Objective:
                              "non-empty sequences)")
         if lc.max_open_groups is not None and lc.max_open_groups < 0:
             raise UsageError(f"max open groups {lc.max_open_groups}: must be >= 0 (or unset: no cap)")
+        if lc.buffer_device not in BUFFER_DEVICES:
+            raise UsageError(f"buffer device {lc.buffer_device!r} is unknown; use device (beside the parameters) "
+                             "or cpu (host memory)")
+        if lc.buffer_dtype not in BUFFER_DTYPES:
+            raise UsageError(f"buffer dtype {lc.buffer_dtype!r} is unknown; use float32 (float64 for a float64 "
+                             "model) or bfloat16 (opt-in: half the bytes, not exact)")
         if lc.loss_agg == "seq-mean-token-sum-norm" and not (lc.norm_constant and lc.norm_constant > 0):
             raise UsageError(
                 "loss aggregation seq-mean-token-sum-norm needs an explicit constant: pass --norm-constant C "
@@ -92,7 +116,7 @@ class Objective:
 def pad_rows(rows: Sequence[Sequence[float]], length: int, dtype, device) -> torch.Tensor:
     out = torch.zeros(len(rows), length, dtype=dtype, device=device)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        out[i, : len(r)] = torch.tensor(r[:length], dtype=dtype)
     return out
 
 
@@ -113,11 +137,11 @@ def _opd_main(obj: Objective, logp, teacher_logp):
     return obj.loss.opd_coef * opd_k3_loss(logp, teacher_logp)
 
 
-def check_inputs(rollouts: Sequence[Rollout], obj: Objective) -> None:
+def check_inputs(rollouts: Sequence[Rollout], obj: Objective, ref_model: bool = False) -> None:
     for r in rollouts:
         if obj.kind == "opd" and r.teacher_logprobs is None:
             raise UsageError(f"rollout {r.key}: OPD needs teacher_logprobs (in the file, or pass --teacher DIR)")
-        if obj.loss.kl_coef and r.ref_logprobs is None:
+        if obj.loss.kl_coef and r.ref_logprobs is None and not ref_model:
             raise UsageError(f"rollout {r.key}: a KL term needs ref_logprobs (in the file, or a reference model)")
 
 
@@ -138,9 +162,9 @@ def lazy_loss(model, rollouts: Sequence[Rollout], obj: Objective,
               token_weights: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The lazy synchronous loss: all trajectories in one padded batch, verl's agg_loss, one scalar.
 
-    token_weights(logp_B_T) -> (B, T) detached weights on each token's main (policy-gradient or OPD)
-    term, from the batch's log-probs: the async baseline's truncated importance sampling
-    (schedules.tis). KL and entropy terms are not reweighted (verl).
+    The reference the engine is tested against (it is written the way verl writes it, not through
+    the factored weights the engine uses). token_weights(logp_B_T) -> (B, T) detached weights on each
+    token's main term: truncated importance sampling (schedules.tis). KL and entropy are not reweighted.
     """
     check_inputs(rollouts, obj)
     device = next(model.parameters()).device
@@ -170,168 +194,372 @@ def lazy_loss(model, rollouts: Sequence[Rollout], obj: Objective,
     return loss
 
 
-class StreamLearner:
-    """Gradient streaming for one round: each backward runs when its input arrives.
+# ---- the engine ---------------------------------------------------------------------------------------
 
-    GRPO: `on_trajectory` per finished trajectory (any order, groups interleaved); a group closes
-    when its `group_sizes[group_id]`-th member arrives. OPD: `on_turn(r, k)` per teacher-scored
-    model turn (any order); a trajectory ends when all its turns arrived.
+
+@dataclass
+class Item:
+    """One learner input: a GRPO trajectory (turn None), an OPD turn k, or a whole OPD trajectory
+    (turn None, OPD: every turn at once; what sync backwards)."""
+
+    rollout: Rollout
+    turn: int | None
+    seq: int = 0  # arrival number: batches are formed in arrival order
+
+    @property
+    def end(self) -> int:
+        return len(self.rollout.input_ids) if self.turn is None else self.rollout.turn_spans[self.turn][1]
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return (0, self.end) if self.turn is None else tuple(self.rollout.turn_spans[self.turn])
+
+
+@dataclass
+class MicroBatch:
+    """Items backwarded together, and where each pass's gradient goes (rl.group.Fold)."""
+
+    items: list[Item]
+    target: tuple  # ("round",) | ("member", group_id, reward) | ("unit", key)
+    rows: int = 0
+    width: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Padded token positions: what one forward and backward of this batch costs."""
+        return self.rows * self.width
+
+
+class LocalGrads:
+    """The single-process backend: autograd.grad per pass, one tensor per trainable parameter."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
+        self.params = list(params)
+        self.templates = self.params
+        self.passes = 0
+
+    def backward(self, losses, folds_by_rank, fold) -> None:
+        for k, loss in enumerate(losses):
+            grads = torch.autograd.grad(loss, self.params, retain_graph=k < len(losses) - 1, allow_unused=True)
+            self.passes += 1
+            if folds_by_rank[k][0] is not None:
+                fold(folds_by_rank[k][0], list(grads))
+
+
+class StreamLearner:
+    """The learner engine for one round (one rank, or every rank of a group alike).
+
+    GRPO: `on_trajectory(r)` per finished trajectory, any order, groups interleaved; a group is
+    complete when its `group_sizes[group_id]`-th member arrived. OPD: `on_turn(r, k)` per
+    teacher-scored model turn, `end_trajectory(r)` when the trajectory ends. `step()` backwards the
+    next micro-batch (one per rank), `drain()` all queued work; on_* alone only queue.
     `obj.loss.max_open_groups`: beyond this many open groups (GRPO) or open trajectories (OPD with
-    seq-mean-token-mean), new ones are deferred: inputs are kept, and every backward of that group
-    runs at its close with the final advantage, still exact, costing no buffer.
+    seq-mean-token-mean), new ones are deferred: their items wait until the group completes (or the
+    trajectory ends) and then join R with their final weights: still exact, costing no buffer.
     """
 
-    def __init__(
-        self,
-        model,
-        obj: Objective,
-        group_sizes: Mapping[str, int] | None = None,
-    ):
+    def __init__(self, model, obj: Objective, group_sizes: Mapping[str, int] | None = None, *,
+                 grads=None, rank: int = 0, world: int = 1, max_tokens: int | None = None,
+                 max_items: int | None = None, ref_model=None,
+                 token_weights: Callable[[list[Rollout], torch.Tensor], torch.Tensor] | None = None,
+                 threaded_host_fold: bool | None = None):
         self.model, self.obj = model, obj
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.acc = RoundGradAccumulator(self.params)
+        self.grads = grads if grads is not None else LocalGrads(self.params)
+        self.rank, self.world = rank, world
+        lc = obj.loss
+        # host buffers beside GPU gradients: folds leave the critical path (rl/hostfold.py)
+        on_gpu = any(t.is_cuda for t in self.grads.templates)
+        self.host_fold = HostFold(cuda=on_gpu and lc.buffer_device == "cpu", threaded=threaded_host_fold)
+        self.acc = RoundGradAccumulator(self.grads.templates, dtype=None if lc.buffer_dtype == "float32" else torch.bfloat16,
+                                        device="cpu" if lc.buffer_device == "cpu" else None,
+                                        fold=self.host_fold, sync=self.host_fold.sync)
         self.group_sizes = dict(group_sizes or {})
-        self.max_open_groups = obj.loss.max_open_groups
-        self.norm_by_std = ADVANTAGES[obj.loss.adv_norm][1]
+        self.max_tokens, self.max_items = max_tokens, max_items
+        self.ref_model, self.token_weights = ref_model, token_weights
+        self.norm_by_std = ADVANTAGES[lc.adv_norm][1]
+        self.per_traj_scale = lc.loss_agg == "seq-mean-token-mean"  # OPD: 1/n_i waits for the trajectory's end
         self.num_tokens = 0  # N: loss tokens of the round so far
         self._nonempty: set[tuple[str, int]] = set()  # B: sequences with >= 1 loss token
         self._arrived: Counter = Counter()
-        self._streaming: set = set()  # group ids (GRPO) or trajectory keys (OPD units) streamed
-        self._deferred: dict = {}  # id -> held items, computed at close
-        self.backwards = 0
+        self._rewards: dict[str, list[float]] = {}
+        self._stats: dict[str, GroupStats] = {}  # complete groups: advantages known
+        self._ended: dict[tuple[str, int], float] = {}  # OPD trajectories that ended: their w_i
+        self._open: set = set()  # groups (GRPO) or trajectory keys (OPD units) holding buffers
+        self._deferred: set = set()
+        self.queue: list[Item] = []
+        self._seq = 0
+        self.backwards = 0  # backward passes this rank ran (dummies included)
+        self._loss_sum = 0.0  # this rank's round-target losses before Z (the lazy loss, once Z is known)
+        self.loss: float | None = None
+        self.batches: list[MicroBatch] = []  # every micro-batch of the round, in order (all ranks')
 
-    # ---- helpers -----------------------------------------------------------------------------
-    def _grads(self, loss: torch.Tensor, retain: bool = False):
-        self.backwards += 1
-        return torch.autograd.grad(loss, self.params, retain_graph=retain, allow_unused=True)
-
-    def _row(self, r: Rollout, end: int, start: int = 0):
-        """Forward input_ids[:end]; returns logp, entropy, mask restricted to [start, end)."""
-        device = self.params[0].device
-        ids = torch.tensor([r.input_ids[:end]], dtype=torch.long, device=device)
-        logp, ent = forward_logprobs(self.model, ids, entropy=self.obj.loss.entropy_coef != 0)
-        mask = torch.tensor([r.loss_mask[:end]], dtype=logp.dtype, device=device)
-        mask[:, :start] = 0
-
-        def aligned(name):
-            v = getattr(r, name)
-            return None if v is None else torch.tensor([v[:end]], dtype=logp.dtype, device=device)
-
-        ref = aligned("ref_logprobs") if self.obj.loss.kl_coef else None
-        return logp, ent, mask, ref, aligned
-
-    def _should_defer(self, ident) -> bool:
-        if ident in self._streaming:
-            return False
-        if ident in self._deferred:
-            return True
-        if self.max_open_groups is not None and self.acc.open_groups + self.acc.open_units >= self.max_open_groups:
-            self._deferred[ident] = []
-            return True
-        self._streaming.add(ident)
-        return False
-
+    # ---- arrivals ------------------------------------------------------------------------------
     def _count(self, r: Rollout, n: int) -> None:
         self.num_tokens += n
         if n:
             self._nonempty.add(r.key)
 
-    # ---- GRPO ----------------------------------------------------------------------------------
+    def _queue(self, r: Rollout, turn: int | None) -> None:
+        self._seq += 1
+        self.queue.append(Item(r, turn, self._seq))
+
     def on_trajectory(self, r: Rollout) -> None:
-        """A trajectory and its reward arrived: backward now (unless its group is deferred)."""
-        check_inputs([r], self.obj)
+        """GRPO: a trajectory and its reward arrived (queued; backwarded by step/drain)."""
+        check_inputs([r], self.obj, self.ref_model is not None)
         gid = r.group_id
         if gid not in self.group_sizes:
             raise UsageError(f"rollout {r.key}: group {gid!r} has no declared size")
         if self._arrived[gid] >= self.group_sizes[gid]:
             raise UsageError(f"rollout {r.key}: group {gid!r} already has its {self.group_sizes[gid]} declared members")
-        n = r.num_loss_tokens
-        self._count(r, n)
-        if self._should_defer(gid):
-            self._deferred[gid].append(r)
-        elif n == 0:  # no model token (e.g. the agent crashed at once): only its reward counts
-            self.acc.add_member(gid, r.reward, [None] * len(self.params), self.norm_by_std)
-        else:
-            w = seq_weight(self.obj.loss.loss_agg, n)
-            logp, ent, mask, ref, _ = self._row(r, len(r.input_ids))
-            # G_i: surrogate with advantage 1; the group's advantage joins at close (accumulator).
-            pg = w * (pg_token_loss(logp, 1.0) * mask).sum()
-            reg = _regularizer(self.obj, logp, ref, ent)
-            self.acc.add_member(gid, r.reward, self._grads(pg, retain=reg is not None), self.norm_by_std)
-            if reg is not None:  # KL / entropy do not depend on the group: straight into R
-                self.acc.add(self._grads(w * (reg * mask).sum()))
+        self._count(r, r.num_loss_tokens)
+        if r.num_loss_tokens:  # no model token (the agent crashed at once): only its reward counts
+            self._queue(r, None)
+        self._rewards.setdefault(gid, []).append(float(r.reward))
         self._arrived[gid] += 1
-        if self._arrived[gid] == self.group_sizes[gid]:
-            self._close_group(gid)
+        if self._arrived[gid] == self.group_sizes[gid]:  # complete: advantages known; its buffers join R
+            rewards = torch.tensor(self._rewards[gid], dtype=torch.float64)
+            self._stats[gid] = group_stats(rewards, self.norm_by_std, self.obj.loss.adv_eps)
+            if gid in self._open:
+                self.acc.close_group(gid, self._stats[gid])
+                self._open.discard(gid)
 
-    def _close_group(self, gid: str) -> None:
-        held = self._deferred.pop(gid, None)
-        if held is None:
-            self.acc.close_group(gid, self.norm_by_std, self.obj.loss.adv_eps)
-            return
-        stats = group_stats(torch.tensor([m.reward for m in held], dtype=torch.float64), self.norm_by_std, self.obj.loss.adv_eps)
-        for r in held:  # deferred group: advantages known, one backward per member straight into R
-            logp, ent, mask, ref, _ = self._row(r, len(r.input_ids))
-            per_tok = pg_token_loss(logp, stats.advantage(r.reward))
-            reg = _regularizer(self.obj, logp, ref, ent)
-            if reg is not None:
-                per_tok = per_tok + reg
-            w = seq_weight(self.obj.loss.loss_agg, r.num_loss_tokens)
-            self.acc.add(self._grads(w * (per_tok * mask).sum()))
-
-    # ---- OPD -----------------------------------------------------------------------------------
     def on_turn(self, r: Rollout, k: int) -> None:
-        """Model turn k of trajectory r was scored by the teacher: backward this turn now.
+        """OPD: model turn k of trajectory r was scored by the teacher (queued).
 
-        The forward covers input_ids[:end_k] (the turn's log-probs depend on the whole prefix;
-        re-encoding it per turn is the O(T^2) cost SkyRL's step-wise docs warn about).
+        r holds the trajectory so far (at least up to turn k's end) with teacher log-probs. A turn's
+        log-probs depend on its whole prefix: its row is the prefix up to the turn's end.
         """
-        check_inputs([r], self.obj)
+        check_inputs([r], self.obj, self.ref_model is not None)
         n = r.turn_tokens(k)
         self._count(r, n)
-        per_traj_scale = self.obj.loss.loss_agg == "seq-mean-token-mean"  # 1/n_i waits for the last turn
-        if per_traj_scale and self._should_defer(r.key):
-            self._deferred[r.key].append(k)
-        else:
-            loss = self._turn_loss(r, k)
-            if loss is not None:
-                if per_traj_scale:
-                    self.acc.add_to_unit(r.key, self._grads(loss))
-                else:
-                    self.acc.add(self._grads(loss))  # w_i = 1 in every mode but seq-mean-token-mean
+        if n:
+            self._queue(r, k)
         self._arrived[r.key] += 1
-        if self._arrived[r.key] == len(r.turn_spans):
+        if self._arrived[r.key] == len(r.turn_spans):  # a whole rollout given turn by turn (tsrl verify)
             self.end_trajectory(r)
 
-    def _turn_loss(self, r: Rollout, k: int):
-        s, e = r.turn_spans[k]
-        if r.turn_tokens(k) == 0:
-            return None
-        logp, ent, mask, ref, aligned = self._row(r, e, start=s)
-        per_tok = _opd_main(self.obj, logp, aligned("teacher_logprobs"))
-        reg = _regularizer(self.obj, logp, ref, ent)
-        if reg is not None:
-            per_tok = per_tok + reg
-        return (per_tok * mask).sum()
+    def on_opd_trajectory(self, r: Rollout) -> None:
+        """OPD, all turns at once (the lazy baselines): one row over the whole trajectory."""
+        check_inputs([r], self.obj, self.ref_model is not None)
+        self._count(r, r.num_loss_tokens)
+        if r.num_loss_tokens:
+            self._queue(r, None)
+        self.end_trajectory(r)
 
     def end_trajectory(self, r: Rollout) -> None:
         """OPD trajectory end: its per-sequence scalar (seq-mean-token-mean) is now known."""
-        if self.obj.loss.loss_agg != "seq-mean-token-mean":
+        if r.key in self._ended:
             return
-        w = seq_weight(self.obj.loss.loss_agg, r.num_loss_tokens)
-        held = self._deferred.pop(r.key, None)
-        if held is None:
-            self.acc.close_unit(r.key, w)
-            return
-        for k in held:
-            loss = self._turn_loss(r, k)
-            if loss is not None:
-                self.acc.add(self._grads(loss), w)
+        self._ended[r.key] = seq_weight(self.obj.loss.loss_agg, r.num_loss_tokens) if self.per_traj_scale else 1.0
+        if r.key in self._open:
+            self.acc.close_unit(r.key, self._ended[r.key])
+            self._open.discard(r.key)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _target(self, it: Item, opening: set) -> tuple | None:
+        """Where this item's gradient goes now, or None while it must wait (a deferred group or unit)."""
+        r = it.rollout
+        if self.obj.kind == "grpo":
+            gid = r.group_id
+            if gid in self._stats:
+                return ("round",)
+            ident = gid
+        else:
+            if not self.per_traj_scale or r.key in self._ended:
+                return ("round",)
+            ident = r.key
+        if ident in self._deferred:
+            return None
+        if ident not in self._open and ident not in opening:
+            cap = self.obj.loss.max_open_groups
+            if cap is not None and len(self._open) + len(opening) >= cap:
+                self._deferred.add(ident)
+                return None
+            opening.add(ident)
+        return ("member", ident, float(r.reward)) if self.obj.kind == "grpo" else ("unit", ident)
+
+    def plan(self) -> list[MicroBatch]:
+        """The next step's micro-batches (at most one per rank), from the queue, in arrival order."""
+        classes: dict[tuple, list[Item]] = {}
+        opening: set = set()
+        for it in self.queue:
+            t = self._target(it, opening)
+            if t is not None:
+                classes.setdefault(t, []).append(it)
+        batches: list[MicroBatch] = []
+        for target, items in classes.items():  # dicts keep insertion order: the first arrival's class first
+            for chunk in self._chunks(items):
+                batches.append(self._batch(chunk, target))
+                if self.world == 1:  # one rank: the first batch; the next step replans with new arrivals
+                    return batches
+        while len(batches) < self.world:  # more ranks than batches: split the widest batch that can split
+            splittable = [b for b in batches if len(self._rows(b.items)) > 1]
+            if not splittable:
+                break
+            b = max(splittable, key=lambda b: b.tokens)
+            rows = self._rows(b.items)
+            half = {id(x) for row in rows[: len(rows) // 2] for x in row}
+            i = batches.index(b)
+            batches[i:i + 1] = [self._batch([x for x in b.items if id(x) in half], b.target),
+                                self._batch([x for x in b.items if id(x) not in half], b.target)]
+        return batches[: self.world]
+
+    def _rows(self, items: list[Item]) -> list[list[Item]]:
+        """Items sharing a row: an OPD trajectory's queued turns (the longest prefix scores them all)."""
+        rows: dict = {}
+        for it in items:
+            rows.setdefault((it.rollout.key, it.turn is None) if self.obj.kind == "opd" else (it.rollout.key, it.seq),
+                            []).append(it)
+        return list(rows.values())
+
+    def _chunks(self, items: list[Item]) -> list[list[Item]]:
+        out: list[list[Item]] = []
+        cur: list[list[Item]] = []
+        width = 0
+        for row in self._rows(items):
+            w = max(it.end for it in row)
+            if cur and ((self.max_items is not None and len(cur) + 1 > self.max_items)
+                        or (self.max_tokens is not None and (len(cur) + 1) * max(width, w) > self.max_tokens)):
+                out.append([x for r in cur for x in r])
+                cur, width = [], 0
+            cur.append(row)
+            width = max(width, w)
+        if cur:
+            out.append([x for r in cur for x in r])
+        return out
+
+    def _batch(self, items: list[Item], target: tuple) -> MicroBatch:
+        rows = self._rows(items)
+        return MicroBatch(items, target, len(rows), max(it.end for it in items))
+
+    # ---- one step ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Items queued that can be backwarded now (deferred ones wait for their group or trajectory)."""
+        opening: set = set()
+        deferred = set(self._deferred)
+        try:
+            return any(self._target(it, opening) is not None for it in self.queue)
+        finally:
+            self._deferred = deferred  # has_work never decides a deferral
+
+    def step(self) -> list[MicroBatch]:
+        """Backward the next micro-batch of each rank (every rank calls this together); returns them all."""
+        batches = self.plan()
+        if not batches:
+            return []
+        mine = batches[self.rank] if self.rank < len(batches) else None
+        losses = self._losses(mine)
+        n_pass = max(self._passes(b) for b in batches)
+        losses += [losses[0] * 0.0] * (n_pass - len(losses))  # lockstep: every rank runs as many passes
+        folds = [[self._fold_of(b, k) for b in batches] + [None] * (self.world - len(batches)) for k in range(n_pass)]
+        self._loss_sum += sum(float(l.detach()) for l, f in zip(losses, folds) if f[self.rank] is not None
+                              and f[self.rank][0] == "round")
+        self.grads.backward(losses, folds, self._apply)
+        self.backwards += n_pass
+        done = {id(it) for b in batches for it in b.items}
+        self.queue = [it for it in self.queue if id(it) not in done]
+        self.batches += batches
+        for b in batches:  # the groups and units these batches opened now hold buffers
+            if b.target[0] != "round":
+                self._open.add(b.target[1])
+        return batches
+
+    def drain(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def _passes(self, b: MicroBatch) -> int:
+        """GRPO members of an open group with a KL/entropy term: the term goes to R in a second pass."""
+        reg = bool(self.obj.loss.kl_coef or self.obj.loss.entropy_coef)
+        return 2 if b.target[0] == "member" and reg else 1
+
+    def _fold_of(self, b: MicroBatch, k: int):
+        if k >= self._passes(b):
+            return None
+        return ("round", 1.0) if k == 1 or b.target == ("round",) else b.target
+
+    def _apply(self, fold: tuple, grads: list) -> None:
+        if fold[0] == "member":
+            self.acc.add_member(fold[1], fold[2], grads, self.norm_by_std)
+        elif fold[0] == "unit":
+            self.acc.add_to_unit(fold[1], grads)
+        else:
+            self.acc.add(grads, fold[1])
+
+    def _losses(self, b: MicroBatch | None) -> list[torch.Tensor]:
+        """This rank's losses for batch b, one per pass; a rank without a batch runs a zero loss."""
+        device = next(self.model.parameters()).device
+        if b is None:  # same forwards, same order as a rank with a batch: FSDP's all-gathers run in lockstep
+            out = self.zero_loss()
+            if self.ref_model is not None and self.obj.loss.kl_coef:
+                with torch.no_grad():
+                    forward_logprobs(self.ref_model, torch.zeros(1, 2, dtype=torch.long, device=device))
+            return [out]
+        rows = self._rows(b.items)
+        heads = [max(row, key=lambda it: it.end) for row in rows]  # the row's rollout: its longest prefix
+        T = b.width
+        ids = pad_rows([h.rollout.input_ids[: h.end] for h in heads], T, torch.long, device)
+        attn = pad_rows([[1] * h.end for h in heads], T, torch.long, device)
+        mask_rows = []
+        for row, h in zip(rows, heads):
+            m = [0] * h.end
+            for it in row:
+                s, e = it.span
+                m[s:e] = h.rollout.loss_mask[s:e]
+            mask_rows.append(m)
+        logp, ent = forward_logprobs(self.model, ids, attn, entropy=self.obj.loss.entropy_coef != 0)  # (B, T)
+        mask = pad_rows(mask_rows, T, logp.dtype, device)
+
+        def aligned(name):
+            return pad_rows([getattr(h.rollout, name)[: h.end] for h in heads], T, logp.dtype, device)
+
+        ref = None
+        if self.obj.loss.kl_coef:
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = forward_logprobs(self.ref_model, ids, attn)[0].to(logp.dtype)
+            else:
+                ref = aligned("ref_logprobs")
+        reg = _regularizer(self.obj, logp, ref, ent)
+        w = torch.tensor([self._weight(h) for h in heads], dtype=torch.float64).to(logp)  # (B,)
+        if self.obj.kind == "grpo" and b.target[0] == "member":  # G_i: advantage 1; S_r, S_1 take it at close
+            out = [(w * (pg_token_loss(logp, 1.0) * mask).sum(-1)).sum()]
+            if reg is not None:
+                out.append((w * (reg * mask).sum(-1)).sum())
+            return out
+        if self.obj.kind == "grpo":
+            adv = torch.tensor([[self._stats[h.rollout.group_id].advantage(h.rollout.reward)] for h in heads],
+                               dtype=torch.float64).to(logp)
+            main = pg_token_loss(logp, adv)
+        else:
+            main = _opd_main(self.obj, logp, aligned("teacher_logprobs"))
+        if self.token_weights is not None:
+            main = main * self.token_weights([h.rollout for h in heads], logp)
+        per_tok = main if reg is None else main + reg
+        return [(w * (per_tok * mask).sum(-1)).sum()]
+
+    def zero_loss(self) -> torch.Tensor:
+        """A loss of 0 over a 2-token forward: the pass a rank runs when it has nothing to backward."""
+        ids = torch.zeros(1, 2, dtype=torch.long, device=next(self.model.parameters()).device)
+        return forward_logprobs(self.model, ids)[0].sum() * 0.0
+
+    def _weight(self, it: Item) -> float:
+        """w_i: the per-sequence part of the aggregation (seq-mean-token-mean: 1/n_i), where known now."""
+        r = it.rollout
+        if self.obj.kind == "grpo":
+            return seq_weight(self.obj.loss.loss_agg, r.num_loss_tokens)
+        return self._ended.get(r.key, 1.0) if self.per_traj_scale else 1.0
 
     # ---- round close ---------------------------------------------------------------------------
     def close_round(self) -> list[torch.Tensor]:
-        """Apply the round scalar (1/N, 1/B or 1/C) once and return the gradient per parameter."""
-        z = round_scale(
-            self.obj.loss.loss_agg, self.num_tokens, len(self._nonempty), self.obj.loss.global_batch_size, self.obj.loss.norm_constant
-        )
-        return self.acc.finalize(z)
+        """Apply the round scalar (1/N, 1/B or 1/C) once; the gradient per template (parameter or shard)."""
+        if self.queue:
+            raise RuntimeError(f"round closed with {len(self.queue)} item(s) not backwarded (a group or trajectory "
+                               "never completed)")
+        z = round_scale(self.obj.loss.loss_agg, self.num_tokens, len(self._nonempty), self.obj.loss.global_batch_size,
+                        self.obj.loss.norm_constant)
+        self.loss = z * self._loss_sum
+        out = self.acc.finalize(z)
+        self.host_fold.close()
+        return out

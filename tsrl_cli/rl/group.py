@@ -1,0 +1,249 @@
+"""A learner of N ranks: FSDP2 shards the parameters, gradients, optimizer state and every streaming buffer.
+
+Each rank is one process on one device (`--learner-devices 4-7` on GPUs, `cpu:N` for N CPU ranks,
+gloo there and NCCL on GPUs). FSDP2 (`fully_shard` of each decoder layer, then of the root) runs
+every forward and backward in lockstep: all ranks all-gather a layer's parameters together, and
+after each backward every layer's gradient leaves through one reduce-scatter. Streaming needs
+more than a sum: the ranks backward different arrivals of different groups, whose sums S_r and
+S_1 must stay apart until their group closes. So the reduce-scatter is replaced (FSDP2's public
+`set_custom_reduce_scatter`) by an all-to-all of the same bytes: rank d receives every source
+rank's piece of its own shard, and folds the piece of source j into j's target (its group's
+S_r and S_1, a unit buffer, or the round buffer R) with j's scalar. Every buffer is therefore held
+in the sharded layout: 1/N of it on each rank. The design and its arithmetic: docs/distributed.md.
+
+    LearnerGroup.join(rank, world, store, device)    torch.distributed (FileStore, or env:// under torchrun)
+    group.shard(model)                               fully_shard + the folding all-to-all on every unit
+    ShardedGrads                                      the learner engine's backend on a group (rl/learner.py)
+    group.full_trainable_state(model)                 gathered on rank 0: publishing and checkpoints
+    group.optimizer_state / load_optimizer_state      the single-process optimizer.pt format: resume on any N
+
+The pieces a rank receives are exactly the rows FSDP's own reduce-scatter would sum (the flat,
+dim-0-padded layout of each unit's parameters with gradients); the round's gradient is handed back
+to FSDP at round close by one more lockstep pass whose "reduce-scatter" returns R, so FSDP itself
+maps it onto the sharded `p.grad`. tsrl never reads FSDP's private layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+Fold = tuple | None  # ("member", group_id, reward) | ("unit", key) | ("round", scale) | None (nothing)
+
+TIMEOUT_S = 600  # a collective that waits longer fails (a dead rank is usually seen sooner: its sockets close)
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun (env:// rendezvous), else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's transformer blocks (Qwen3, Llama, ... and their PEFT wrappers): the FSDP units."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return mod
+    raise ValueError(f"{type(model).__name__}: no `layers` ModuleList to shard by block")
+
+
+@dataclass
+class LearnerGroup:
+    rank: int
+    world: int
+    device: str
+
+    @classmethod
+    def join(cls, rank: int, world: int, device: str, store_path: str | None = None) -> LearnerGroup:
+        """Join the group: a FileStore at `store_path` (ranks tsrl started itself) or env:// (torchrun)."""
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        if store_path is not None:
+            store = dist.FileStore(store_path, world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        return cls(rank, world, device)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- sharding --------------------------------------------------------------------------------
+    def shard(self, model, grads: ShardedGrads | None = None, load_one_at_a_time: bool = False):
+        """fully_shard every decoder layer, then the root, each with the folding all-to-all (when `grads`).
+
+        Sum reduction, no division: FSDP's default averages over ranks, streaming sums exact partial sums.
+        """
+        mesh = init_device_mesh(self.device.split(":")[0], (self.world,))
+        units = [*decoder_layers(model), model]
+        for u in units:
+            fully_shard(u, mesh=mesh)
+        if grads is not None:
+            grads.attach(units)
+        return model
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank (pickled; small things: arrivals, plans, decisions)."""
+        box = [obj if self.leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.world if self.leader else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    # ---- full states on rank 0 -------------------------------------------------------------------
+    def full_trainable_state(self, model) -> dict[str, torch.Tensor] | None:
+        """{name: full CPU tensor} of the trained parameters on rank 0 (None elsewhere); a collective."""
+        out = {}
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if _is_dtensor(p) else p.detach()
+                if self.leader:
+                    out[n] = full.detach().cpu().contiguous()
+        return out if self.leader else None
+
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict | None:
+        """opt.state_dict() as a single process holds it (full tensors, parameters numbered in order), on rank 0."""
+        sd = opt.state_dict()
+        state = {}
+        for i, s in sd["state"].items():
+            state[i] = {k: (v.full_tensor() if _is_dtensor(v) else v).detach().cpu() if torch.is_tensor(v) else v
+                        for k, v in s.items()}
+        return {"state": state, "param_groups": sd["param_groups"]} if self.leader else None
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict) -> None:
+        """Load a single-process optimizer.pt (every rank reads the same file) into the sharded optimizer."""
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = {}
+        for i, s in sd["state"].items():
+            p = params[int(i)]
+            state[i] = {k: (distribute_tensor(v.to(p.device), p.device_mesh, p.placements)
+                            if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0 else v)
+                        for k, v in s.items()}
+        opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+# ---- the backend: one lockstep pass per backward, folding per source rank -------------------------
+
+
+class _FoldingAllToAll:
+    """FSDP2's reduce-scatter for one unit, replaced: all-to-all, then fold each source's piece.
+
+    input (N*S,): this rank's full unsharded gradient of the unit, laid out by FSDP as N chunks of S
+    (chunk d goes to rank d). After the all-to-all, row j of (N, S) is source j's piece of this
+    rank's shard: the same bytes as one reduce-scatter, but not yet summed.
+    """
+
+    def __init__(self, owner: ShardedGrads, index: int):
+        self.owner, self.index = owner, index
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.owner._reduce(self.index, output_tensor, input_tensor, group)  # synchronous: no Work handle
+
+
+class ShardedGrads:
+    """Gradients of a sharded model, delivered per source rank to the engine's accumulator.
+
+    templates: one flat tensor per FSDP unit, this rank's shard (1/N of the unit's trainable
+    parameters, dim-0 padded as FSDP pads them): the accumulator's buffers take these shapes.
+    """
+
+    def __init__(self, group: LearnerGroup, model):
+        self.group, self.model = group, model
+        self.units: list = []
+        self.templates: list[torch.Tensor] = []
+        self._folds: Sequence[Fold] = ()
+        self._fold: Callable[[Fold, list], None] | None = None
+        self._emit: list[torch.Tensor] | None = None
+        self.passes = 0
+
+    def attach(self, units) -> None:
+        n = self.group.world
+        self.units = list(units)
+        seen: set[int] = set()  # the root comes last in `units`: its own parameters are those no layer holds
+        owned: list[list[torch.nn.Parameter]] = []
+        for u in self.units:
+            ps = [p for p in u.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in ps)
+            owned.append([p for p in ps if p.requires_grad])
+        for i, (u, ps) in enumerate(zip(self.units, owned)):
+            # FSDP pads dim 0 to a multiple of N; rank d's chunk is rows [d*c, (d+1)*c) of every parameter
+            numel = sum(-(-p.shape[0] // n) * (p.numel() // max(p.shape[0], 1)) for p in ps)
+            p0 = ps[0] if ps else next(u.parameters())
+            self.templates.append(torch.empty(numel, dtype=p0.dtype, device=self.group.device))
+            u.set_custom_reduce_scatter(_FoldingAllToAll(self, i))
+            u.set_gradient_divide_factor(1.0)
+            u.set_force_sum_reduction_for_comms(True)
+
+    # called by FSDP during backward, once per unit
+    def _reduce(self, index: int, output, input_, pg) -> None:
+        n = self.group.world
+        if input_.numel() != n * self.templates[index].numel():
+            raise RuntimeError(f"FSDP unit {index}: reduce-scatter input of {input_.numel()} elements, expected "
+                               f"{n} x {self.templates[index].numel()}; this torch's FSDP2 layout is not the one "
+                               "tsrl's sharded learner was written for")
+        if self._emit is not None:  # round close: hand R to FSDP, which maps it onto p.grad
+            output.copy_(self._emit[index])
+            return
+        recv = torch.empty_like(input_)
+        dist.all_to_all_single(recv, input_, group=pg)
+        pieces = recv.view(n, -1)
+        grads: list[torch.Tensor | None] = [None] * len(self.templates)
+        for j, fold in enumerate(self._folds):
+            if fold is not None:
+                grads[index] = pieces[j]
+                self._fold(fold, grads)
+        output.zero_()
+
+    def backward(self, losses: Sequence[torch.Tensor], folds_by_rank: Sequence[Sequence[Fold]],
+                 fold: Callable[[Fold, list], None]) -> None:
+        """One lockstep pass per loss: losses[k] is this rank's k-th loss (same forward), folds_by_rank[k][j]
+        where source rank j's k-th gradient goes. Every rank calls this with the same number of losses."""
+        self._fold = fold
+        for k, loss in enumerate(losses):
+            self._folds = folds_by_rank[k]
+            loss.backward(retain_graph=k < len(losses) - 1)
+            self.passes += 1
+            for p in self.model.parameters():  # FSDP stored our zero output as p.grad: drop it
+                p.grad = None
+        self._folds, self._fold = (), None
+
+    def emit(self, buffers: list[torch.Tensor], dummy_loss: Callable[[], torch.Tensor]) -> None:
+        """Round close: one lockstep pass whose reduce-scatter returns `buffers` (R, this rank's shard),
+        which FSDP writes into the sharded p.grad of every trainable parameter."""
+        for p in self.model.parameters():
+            p.grad = None
+        self._emit = buffers
+        try:
+            dummy_loss().backward()
+        finally:
+            self._emit = None
