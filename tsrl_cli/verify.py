@@ -8,19 +8,27 @@ joined with one scalar at close. Exit 0 when they agree within the dtype's toler
 from __future__ import annotations
 
 import copy
+import multiprocessing as mp
+import queue
 import random
+import shutil
+import tempfile
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load, save, save_file
 
 from tsrl_cli.config import LossConfig
-from tsrl_cli.errors import UsageError
+from tsrl_cli.devices import check_available, parse_devices
+from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.files import atomic_path
 from tsrl_cli.policy import BUILTIN_TINY, BUILTIN_TINY_TEACHER, DTYPES, load_policy, score_tokens
+from tsrl_cli.processes import init_worker
+from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout, read_rollouts
 
@@ -44,6 +52,7 @@ class VerifyOptions:
     groups: int = 4
     group_size: int = 8
     queued: int = 1  # arrivals queued before the learner runs: 1 = per arrival, K > 1 = micro-batches
+    learners: str = "cpu"  # the streaming learner's devices: more than one (cpu:N, 0-3) is a sharded group
     max_microbatch_tokens: int | None = None
     save_grads: str | None = None
 
@@ -156,13 +165,25 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
     lazy = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for _, p in params]
     model.zero_grad(set_to_none=True)
 
+    items = arrivals(rollouts, obj, order, seed)
+    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    stream = feed(learner, items, queued)
+    t_stream = time.perf_counter() - t0
+    return GradPair([n for n, _ in params], lazy, stream, learner, loss.detach(), len(items), t_lazy, t_stream)
+
+
+def arrivals(rollouts: list[Rollout], obj: Objective, order: str, seed: int) -> list[tuple[Rollout, int | None]]:
+    """The round's learner inputs in arrival order: trajectories (GRPO) or (trajectory, turn) pairs (OPD)."""
     if obj.kind == "grpo":
         items = [(r, None) for r in rollouts]
     else:
         items = [(r, k) for r in rollouts for k in range(len(r.turn_spans))]
-    items = arrival_order(items, order, seed)
-    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens)
-    t0 = time.perf_counter()
+    return arrival_order(items, order, seed)
+
+
+def feed(learner: StreamLearner, items: list[tuple[Rollout, int | None]], queued: int) -> list[torch.Tensor]:
+    """Arrivals into the learner, which runs after every `queued` of them; the round's gradient."""
     for n, (r, k) in enumerate(items, 1):
         if k is None:
             learner.on_trajectory(r)
@@ -171,9 +192,63 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
         if n % queued == 0:
             learner.drain()
     learner.drain()
-    stream = learner.close_round()
-    t_stream = time.perf_counter() - t0
-    return GradPair([n for n, _ in params], lazy, stream, learner, loss.detach(), len(items), t_lazy, t_stream)
+    return learner.close_round()
+
+
+def sharded_stream(opts: VerifyOptions, rollouts: list[Rollout], obj: Objective, devices: tuple[str, ...]) -> dict:
+    """The streamed gradient on a learner group of len(devices) ranks (rl/group.py), each rank a process:
+    {"grads": {name: full gradient}, "ranks": per-rank learner figures}."""
+    ctx = mp.get_context("spawn")
+    store = tempfile.mkdtemp(prefix="tsrl-verify-")
+    q = ctx.Queue()
+    items = arrivals(rollouts, obj, opts.order, opts.seed)
+    procs = [ctx.Process(target=_verify_rank, daemon=True,
+                         args=(rank, devices, str(Path(store) / "store"), opts, items, obj, q))
+             for rank in range(len(devices))]
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                kind, *payload = q.get(timeout=1.0)
+                break
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise OperationFailed(f"learner rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+        if kind == "error":
+            rank, tb = payload
+            raise OperationFailed(f"learner rank {rank} failed: {tb.strip().splitlines()[-1]}\n{tb}")
+        blob, ranks = payload
+        return {"grads": load(blob), "ranks": ranks}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOptions, items, obj: Objective, q) -> None:
+    """One rank of `sharded_stream`: shard the policy, stream the arrivals, hand back the full gradient."""
+    try:
+        init_worker()
+        group = LearnerGroup.join(rank, len(devices), devices[rank], store)
+        model, _ = load_policy(opts.model, dtype=DTYPES[opts.dtype], seed=opts.seed, tokenizer=False)
+        grads = ShardedGrads(group, model)
+        group.shard(model, grads)
+        sl = StreamLearner(model, obj, Counter(r.group_id for r, k in items if k in (None, 0)), grads=grads,
+                           rank=rank, world=len(devices), max_tokens=opts.max_microbatch_tokens)
+        grads.emit(feed(sl, items, opts.queued), sl.zero_loss)
+        full = {n: p.grad.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        mine = {"backwards": sl.backwards, "microbatches": len(sl.batches), "buffer_bytes_per_set": sl.acc.param_bytes,
+                "peak_open_buffer_bytes": sl.acc.peak_open_bytes, "num_tokens": sl.num_tokens}
+        ranks = group.gather(mine)
+        if group.leader:  # bytes, not tensors: a tensor through a queue is shared memory this process takes along
+            q.put(("ok", save(full), ranks))
+        group.close()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        q.put(("error", rank, traceback.format_exc()))
 
 
 def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
@@ -183,6 +258,9 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         raise UsageError(f"--order {opts.order!r} is unknown; use one of {', '.join(ORDERS)}")
     if opts.queued < 1 or (opts.max_microbatch_tokens is not None and opts.max_microbatch_tokens < 1):
         raise UsageError("--queued and --max-microbatch-tokens must be >= 1")
+    devices = parse_devices(opts.learners, "--learner-devices")
+    for d in devices:
+        check_available(d, "--learner-devices")
     obj = Objective(opts.objective, opts.loss)
     dtype = DTYPES[opts.dtype]
     torch.manual_seed(opts.seed)
@@ -221,6 +299,13 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
     g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed, opts.queued, opts.max_microbatch_tokens)
     names, lazy, stream, learner = g.names, g.lazy, g.stream, g.learner
     loss, t_lazy, t_stream, items = g.lazy_loss, g.time_lazy_s, g.time_stream_s, g.num_items
+    ranks = None
+    if len(devices) > 1:  # the same arrivals streamed on a sharded learner group
+        progress(f"stream again on a learner group of {len(devices)} ranks ({opts.learners})")
+        t0 = time.perf_counter()
+        sharded = sharded_stream(opts, rollouts, obj, devices)
+        t_stream = time.perf_counter() - t0
+        stream, ranks = [sharded["grads"][n] for n in names], sharded["ranks"]
 
     cmp = compare(names, lazy, stream)
     # bf16 buffers (opt-in) round every partial sum to 8 bits of mantissa: judged at bf16's tolerance
@@ -257,7 +342,12 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "max_open_groups": obj.loss.max_open_groups,
         "time_lazy_s": round(t_lazy, 4),
         "time_stream_s": round(t_stream, 4),
+        "learner_ranks": len(devices),
     }
+    if ranks is not None:  # the sharded group's own figures (the single-process ones above are the reference's)
+        result.update(stream_backwards=ranks[0]["backwards"], microbatches=ranks[0]["microbatches"],
+                      buffer_bytes_per_set_rank=[r["buffer_bytes_per_set"] for r in ranks],
+                      peak_open_buffer_bytes_rank=[r["peak_open_buffer_bytes"] for r in ranks])
     if opts.save_grads:
         out = Path(opts.save_grads)
         out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from worker_procs import alive, pids
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,25 +58,6 @@ def wait_for(cond, timeout=120.0, what=""):
 def rounds_done(out: Path) -> int:
     p = out / "metrics.jsonl"
     return p.read_text().count("\n") if p.is_file() else 0
-
-
-def pids(out: Path) -> dict[str, int]:
-    p = out / "processes.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def weights(out: Path, k: int = ROUNDS) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from worker_procs import alive, pids
 
 from tsrl_cli.config import load_config
 from tsrl_cli.rl.train import train
@@ -102,24 +103,6 @@ def test_lazy_schedules_on_ranks(reference, tmp_path, schedule):
     assert any(r["microbatches"] > 2 for r in rows(d, "metrics.jsonl"))  # the cap split the lazy batch
 
 
-def pids(out: Path) -> dict[str, int]:
-    try:
-        return json.loads((out / "processes.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def cli(out, learners, *extra):
     sets = [a for s in SETS for a in ("--set", s)]
     return [sys.executable, "-m", "tsrl_cli", "train", *sets, "--learner-devices", learners, "--rounds", str(ROUNDS),
@@ -174,3 +157,17 @@ def test_torchrun_needs_one_learner_device_per_process(monkeypatch, toy_policies
     with pytest.raises(UsageError, match="one learner device per process"):
         check_torchrun(config("x", "stream", "grpo", False, "cpu:4"))
     check_torchrun(config("x", "stream", "grpo", False, "cpu:2"))
+
+
+def test_verify_on_a_learner_group():
+    """`tsrl verify --learner-devices cpu:2`: the same arrivals streamed on 2 ranks, against the lazy gradient."""
+    from typer.testing import CliRunner
+
+    from tsrl_cli.cli import app
+
+    res = CliRunner().invoke(app, ["verify", "--objective", "opd", "--learner-devices", "cpu:2", "--queued", "3",
+                                   "--groups", "2", "--group-size", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and doc["max_rel_diff"] <= 1e-10 and doc["max_abs_grad"] > 1e-4 and doc["learner_ranks"] == 2
+    assert [2 * b for b in doc["buffer_bytes_per_set_rank"]] == [doc["buffer_bytes_per_set"]] * 2

@@ -93,7 +93,7 @@ def test_lora_float64_sync_equals_stream_and_only_adapters_train(toy_config, toy
 def test_lora_resume_equals_uninterrupted(toy_config):
     # one backward per arrival: micro-batches would follow arrival timing, and float32 sums their order
     sets = {"schedule": "stream", "rounds": 3, "run.save_every": 1, "rollout.batch_invariant": True,
-            "learner.max_microbatch_items": 1}
+            "learner.microbatch": "off"}
     full = toy_config(*_set(LORA), out="full", **sets)
     train(full)
     crashed = toy_config(*_set(LORA), out="crashed", **sets)

@@ -14,6 +14,7 @@ import typer
 from tsrl_cli import __version__
 from tsrl_cli.cli.bench import bench_app
 from tsrl_cli.cli.data import data_app, prepare_data
+from tsrl_cli.cli.doctor import DOCTOR_EPILOG, doctor
 from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
@@ -62,6 +63,7 @@ app.command("train", epilog=TRAIN_EPILOG)(train)
 app.add_typer(bench_app, name="bench")
 app.command("sweep", epilog=SWEEP_EPILOG)(sweep)
 app.add_typer(eval_app, name="eval")
+app.command("doctor", epilog=DOCTOR_EPILOG)(doctor)
 
 
 def _version(value: bool):

@@ -37,6 +37,7 @@ def verify(
     max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows x longest row); default no cap.")] = None,
     buffer_dtype: Annotated[str, typer.Option(help="Streaming buffers: float32 (float64 for a float64 model) | bfloat16 (opt-in, not exact: the difference printed is its measured error).")] = "float32",
     buffer_device: Annotated[str, typer.Option(help="Streaming buffers: device (beside the parameters) | cpu (host memory).")] = "device",
+    learner_devices: Annotated[str, typer.Option(help="The streaming learner's devices: cpu (one process, default), or a sharded group: cpu:N (N CPU ranks), 0-3, 0,1 (CUDA).")] = "cpu",
     save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -56,7 +57,8 @@ def verify(
                           buffer_dtype=buffer_dtype, buffer_device=buffer_device)
         opts = VerifyOptions(model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss=loss,
                              dtype=dtype, order=order, seed=seed, groups=groups, group_size=group_size,
-                             queued=queued, max_microbatch_tokens=max_microbatch_tokens, save_grads=save_grads)
+                             queued=queued, max_microbatch_tokens=max_microbatch_tokens, learners=learner_devices,
+                             save_grads=save_grads)
         res = run_verify(opts, progress=progress_printer(not json_out))
     if json_out:
         typer.echo(json.dumps(res))
@@ -75,8 +77,9 @@ def _render(console, res: dict) -> None:
     t.add_row("model", f"{res['model']} ({res['params']:,} parameters)")
     t.add_row("rollouts", f"{res['rollouts']}: {res['num_trajectories']} trajectories, {res['num_groups']} groups, "
               f"{res['num_loss_tokens']} loss tokens")
+    where = f" on {res['learner_ranks']} ranks" if res["learner_ranks"] > 1 else ""
     t.add_row("stream", f"{res['num_items']} arrivals, {res['microbatches']} micro-batch(es), "
-              f"{res['stream_backwards']} backward(s); buffers {res['buffer_dtype']} on {res['buffer_device']}")
+              f"{res['stream_backwards']} backward(s){where}; buffers {res['buffer_dtype']} on {res['buffer_device']}")
     t.add_row("max |lazy - stream|", f"{res['max_abs_diff']:.3e}  (max |grad| {res['max_abs_grad']:.3e})")
     t.add_row("relative difference", f"{res['max_rel_diff']:.3e}  (tolerance {res['tolerance']:.0e})")
     t.add_row("worst parameter", f"{res['worst_param']}: relative {res['worst_param_rel_diff']:.3e}, "

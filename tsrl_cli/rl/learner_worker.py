@@ -95,12 +95,16 @@ class Learner:
                 self.group.shard(self.ref)
         self.version = start_version
         self._last_progress = 0.0
+        # stream's micro-batching (learner.microbatch): auto = where a backward has a fixed cost to amortize
+        mb = cfg.learner.microbatch
+        self.microbatch = mb == "on" or (mb == "auto" and (self.world > 1 or self.device.startswith("cuda")))
 
     # ---- what the schedules use ---------------------------------------------------------------
     def engine(self, plan: RoundPlan, **kw) -> StreamLearner:
         """The round's learner engine on this rank (schedules choose when it runs)."""
         lc = self.cfg.learner
-        opts = dict(max_tokens=lc.max_microbatch_tokens, max_items=lc.max_microbatch_items, ref_model=self.ref)
+        opts = dict(max_tokens=lc.max_microbatch_tokens, max_items=lc.max_microbatch_items if self.microbatch else 1,
+                    ref_model=self.ref)
         opts.update(kw)
         if self.group is not None:
             opts.update(grads=self.grads, rank=self.rank, world=self.world)

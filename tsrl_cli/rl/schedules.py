@@ -116,9 +116,9 @@ def learn_stream(learner, plan: RoundPlan) -> RoundWork:
     """Backward what has arrived while the round goes on; join with one scalar at round close."""
     sl = learner.engine(plan)
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
-    # learner.max_microbatch_items 1: each arrival is taken and backwarded alone, in arrival order, so the
-    # float32 sums depend on that order only, not on how far the learner lags (reproducible runs)
-    limit = 1 if learner.cfg.learner.max_microbatch_items == 1 else None
+    # without micro-batching each arrival is taken and backwarded alone, in arrival order: the float32 sums
+    # then depend on that order only, not on how far the learner lags
+    limit = None if learner.microbatch else 1
     ended = 0
     while ended < plan.num_trajectories or sl.has_work():
         for msg in learner.receive(plan, block=not sl.has_work(), limit=limit):  # the first never waits for company

@@ -88,7 +88,7 @@ def check_placement(cfg: TrainConfig) -> None:
 
 def check_torchrun(cfg: TrainConfig) -> None:
     """Under torchrun: one process per learner device of this node (devices.learner names them)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torchrun_env()[1]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or torchrun_env()[1]
     n = len(learner_devices(cfg))
     if n != local:
         raise UsageError(f"devices.learner: {cfg.devices.learner!r} names {n} device(s) but torchrun starts {local} "
