@@ -63,7 +63,7 @@ CASES = [
     ("train --schedule fast --out {t}/out", "schedule"),
     ("train --objective ppo --out {t}/out", "objective"),
     ("train --dtype float16 --out {t}/out", "model.dtype"),
-    ("train --learner-devices 4-7 --out {t}/out", "names 4 devices"),
+    ("train --rollout-devices 0-3 --out {t}/out", "names 4 devices"),
     ("train --rollout-devices gpu --out {t}/out", "not a device list"),
     ("train --set model.policy={t}/nonexistent --set data.train=[builtin:echo] --out {t}/out", "not a model directory"),
     ("train --set model.policy={t}/tokenless --set data.train=[builtin:echo] --out {t}/out", "ChatML tokenizer"),
