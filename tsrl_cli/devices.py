@@ -1,9 +1,10 @@
 """Device specs: where each process of a run (rollout, learner, teacher) is placed.
 
 A spec is `cpu`, a CUDA index (`4`), a range (`4-7`), a list (`0,1`), a torch name (`cuda:1`) or,
-for the learner, `cpu:N` (N CPU ranks). The learner runs one rank per device it is given: a group of
-N ranks shards the model over them (rl/group.py). The rollout side and the teacher run on one
-device each; a range there is refused with that message rather than silently using its first device.
+`cpu:N` (N CPU ranks or replicas). The learner runs one rank per device it is given: a group of
+N ranks shards the model over them (rl/group.py). The rollout side runs one engine replica per device
+(per `rollout.tensor_parallel` devices with vLLM). The teacher runs on one device; a range there is
+refused with that message rather than silently using its first device.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ def parse_devices(spec: str | int, key: str) -> tuple[str, ...]:
 
 
 def one_device(spec: str | int, key: str) -> str:
-    """The single device of the rollout side or the teacher (engine replicas are not implemented)."""
+    """The single device of the teacher (the learner shards over a range, the rollout side replicates)."""
     devs = parse_devices(spec, key)
     if len(devs) != 1:
         raise UsageError(f"{key}: {spec!r} names {len(devs)} devices, but the {key.rsplit('.', 1)[-1]} runs on one "
-                         "device (rollout engine replicas are not implemented; the learner shards over a range); "
+                         "device (the learner shards over a range, the rollout side runs a replica per device); "
                          f"name one, e.g. {devs[0].removeprefix('cuda:')}")
     return devs[0]
 
@@ -60,14 +61,24 @@ def learner_devices(cfg) -> tuple[str, ...]:
     return parse_devices(cfg.devices.learner, "devices.learner")
 
 
+def rollout_replicas(cfg) -> list[tuple[str, ...]]:
+    """The rollout engine replicas, each as its devices: one device each, or `rollout.tensor_parallel`
+    consecutive devices per vLLM replica (`0-3` with 2: [(cuda:0, cuda:1), (cuda:2, cuda:3)])."""
+    devs = parse_devices(cfg.devices.rollout, "devices.rollout")
+    tp = cfg.rollout.tensor_parallel
+    if len(devs) % tp:
+        raise UsageError(f"devices.rollout: {cfg.devices.rollout!r} names {len(devs)} device(s), not a multiple of "
+                         f"rollout.tensor_parallel {tp}; name {tp} devices per replica")
+    return [devs[i:i + tp] for i in range(0, len(devs), tp)]
+
+
 def device_of(cfg, side: str) -> str:
-    """The torch device of one side (rollout | learner | teacher); the learner's first rank's for a group."""
+    """The torch device of one side (rollout | learner | teacher); the first rank's or replica's of several."""
     if side == "learner":
         return learner_devices(cfg)[0]
-    spec = getattr(cfg.devices, side)
-    if spec is None:  # the teacher defaults to the rollout device
-        spec = cfg.devices.rollout
-    return one_device(spec, f"devices.{side}")
+    if side == "rollout" or cfg.devices.teacher is None:  # the teacher defaults to the rollout side's first device
+        return parse_devices(cfg.devices.rollout, "devices.rollout")[0]
+    return one_device(cfg.devices.teacher, "devices.teacher")
 
 
 def check_available(device: str, key: str) -> None:

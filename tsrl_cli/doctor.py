@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.devices import device_of, learner_devices
+from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rl.toy import ECHO, TOY_PREFIX, parse_toy_spec
 from tsrl_cli.rl.train import EMBEDDED_POLICY
@@ -165,13 +165,13 @@ def _devices_check(key: str, spec, devices: tuple[str, ...], facts: MachineFacts
         if n == 0 and facts.versions["torch_cuda"] is None:
             have += f" (torch {facts.versions['torch']} is a CPU build)"
         need = max(int(d.split(":")[1]) for d in missing) + 1
-        alt = f"{key}=cpu:{len(devices)}" if key == "devices.learner" and len(devices) > 1 else f"{key}=cpu"
+        alt = f"{key}=cpu:{len(devices)}" if key != "devices.teacher" and len(devices) > 1 else f"{key}=cpu"
         return Check(what, False, f"{', '.join(missing)} not on this machine: it has {have}",
                      f"run where at least {need} CUDA device(s) are visible"
                      + (f" ({INSTALL_GPU})" if facts.versions["torch_cuda"] is None else "") + f", or set {alt}")
     named = ", ".join(f"{d} ({facts.gpus[int(d.split(':')[1])].name})" if d.startswith("cuda") else d
                       for d in dict.fromkeys(devices))
-    ranks = f"{len(devices)} ranks on " if len(devices) > 1 else ""
+    ranks = f"{len(devices)} {'ranks' if key == 'devices.learner' else 'devices'} on " if len(devices) > 1 else ""
     return Check(what, True, f"{ranks}{named}")
 
 
@@ -263,7 +263,8 @@ def _dataset_check(key: str, name: str, limit: int | None) -> Check:
 def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     """One Check per thing the resolved config needs from this machine, in config order."""
     opd = cfg.objective == "opd"
-    out = [_devices_check("devices.rollout", cfg.devices.rollout, (device_of(cfg, "rollout"),), facts)]
+    replicas = rollout_replicas(cfg)
+    out = [_devices_check("devices.rollout", cfg.devices.rollout, tuple(d for r in replicas for d in r), facts)]
     learners = learner_devices(cfg)
     out.append(_devices_check("devices.learner", cfg.devices.learner, learners, facts))
     if (backend := _backend_check(learners, facts)) is not None:

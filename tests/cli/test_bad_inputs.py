@@ -63,7 +63,11 @@ CASES = [
     ("train --schedule fast --out {t}/out", "schedule"),
     ("train --objective ppo --out {t}/out", "objective"),
     ("train --dtype float16 --out {t}/out", "model.dtype"),
-    ("train --rollout-devices 0-3 --out {t}/out", "names 4 devices"),
+    ("train --objective opd --set devices.teacher=0-3 --out {t}/out", "names 4 devices"),
+    ("train --set rollout.engine=openai --out {t}/out", "rollout.servers"),
+    ("train --set rollout.engine=openai --set rollout.servers=[ftp://x/y] --out {t}/out", "not a base URL"),
+    ("train --set rollout.tensor_parallel=2 --out {t}/out", "only the vllm engine"),
+    ("serve --model {t}/nonexistent --port 0", "not a model directory"),
     ("train --rollout-devices gpu --out {t}/out", "not a device list"),
     ("train --set model.policy={t}/nonexistent --set data.train=[builtin:echo] --out {t}/out", "not a model directory"),
     ("train --set model.policy={t}/tokenless --set data.train=[builtin:echo] --out {t}/out", "ChatML tokenizer"),
@@ -93,7 +97,7 @@ CASES = [
     ("eval tbench --dataset {t}/dataset --executor mars --model x --out {t}/out", "--executor"),
 ]
 COMMANDS = {"verify", "prepare-data", "data show", "data check", "env exec", "env list", "policy probe", "train",
-            "bench speedup", "sweep", "predict", "report", "eval embedded", "eval swebench", "eval tbench"}
+            "bench speedup", "sweep", "predict", "report", "eval embedded", "eval swebench", "eval tbench", "serve"}
 
 
 @pytest.fixture(scope="module")

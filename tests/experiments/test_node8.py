@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
 from tsrl_cli.config import load_config
-from tsrl_cli.devices import device_of, learner_devices
+from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
 from tsrl_cli.doctor import GPU, machine_facts, plan_checks
 
 NODE8 = Path(__file__).resolve().parents[2] / "experiments" / "node8"
@@ -28,6 +28,9 @@ def test_loads_with_the_paper_protocol(name):
     assert cfg.rollout.group_size == 8 and cfg.rounds == 40 and cfg.schedule == "stream"
     assert learner_devices(cfg) == ("cuda:4", "cuda:5", "cuda:6", "cuda:7")
     assert device_of(cfg, "rollout") == "cuda:0"
+    # every GPU of the node works: 4 learner ranks, the rest engine replicas (and OPD's teacher)
+    replicas = [d for r in rollout_replicas(cfg) for d in r]
+    assert replicas == (["cuda:0", "cuda:2", "cuda:3"] if name.startswith("opd") else [f"cuda:{i}" for i in range(4)])
     assert cfg.model.dtype == "bfloat16" and cfg.model.policy == "data/models/Qwen3-8B"
     assert cfg.learner.max_microbatch_tokens == 32768
     opd, lora = name.startswith("opd"), "lora" in name
@@ -46,7 +49,7 @@ def test_header_says_how_to_check_and_run(name):
     head = (NODE8 / name).read_text().split("\nname:")[0]
     assert all(line.startswith("#") for line in head.splitlines())
     for needed in (f"tsrl doctor experiments/node8/{name}", "--seeds 42,43,44", "rounds 1-4 warm-up",
-                   "group size 8", "40 rounds", "not implemented yet", "tsrl prepare-data"):
+                   "group size 8", "40 rounds", "weight bus", "tsrl prepare-data"):
         assert needed in head, needed
 
 

@@ -121,8 +121,9 @@ def test_device_config_errors(toy_config):
     from tsrl_cli.config import ConfigError
 
     assert toy_config(**{"devices.learner": "4-7"}).devices.learner == "4-7"  # a learner group
+    assert toy_config(**{"devices.rollout": "0-3"}).devices.rollout == "0-3"  # engine replicas
     with pytest.raises(ConfigError, match="one device"):
-        toy_config(**{"devices.rollout": "0-3"})  # engine replicas: not implemented
+        toy_config("objective=opd", **{"devices.teacher": "0-3"})  # the teacher runs on one device
 
     with pytest.raises(ConfigError, match="lora"):
         toy_config(**{"lora.rank": -1})

@@ -158,7 +158,7 @@ def test_rollouts_are_a_pure_function_of_weights_seed_round_task_sample(toy_conf
                 for r in rows(cfg.run_dir(), "rollouts.jsonl") if r["round"] == 3}
 
     def replay(model_dir):
-        w = RolloutWorker(cfg, str(model_dir), str(model_dir), 2, queue.Queue(), queue.Queue(), queue.Queue())
+        w = RolloutWorker(cfg, str(model_dir), str(model_dir), 2, queue.Queue(), queue.Queue(), queue.Queue(), None)
         try:
             out = {}
             for gid, i in recorded:
@@ -166,7 +166,7 @@ def test_rollouts_are_a_pure_function_of_weights_seed_round_task_sample(toy_conf
                 out[(gid, i)] = msg.rollout.input_ids
             return out
         finally:
-            w.batcher.close()
+            w.pool.close()
 
     assert replay(Path(cfg.run_dir()) / "checkpoints" / "round-2") == recorded
     from tsrl_cli.rl.toy import ensure_toy_policy
@@ -334,12 +334,12 @@ def test_unsubmitted_reward_replaces_only_unsubmitted_scores(toy_config):
 
     def sample(*sets):
         cfg = toy_config(*sets, "rollout.max_turns=2", out="u")
-        w = RolloutWorker(cfg, model_dir, model_dir, 0, queue.Queue(), queue.Queue(), queue.Queue())
+        w = RolloutWorker(cfg, model_dir, model_dir, 0, queue.Queue(), queue.Queue(), queue.Queue(), None)
         try:
             return {(k, i): asyncio.run(w.run_one(1, 0, GroupSpec(k, k, 8), i)) for k in list(w.tasks)[:4]
                     for i in range(8)}
         finally:
-            w.batcher.close()
+            w.pool.close()
 
     base, alt = sample(), sample("rollout.unsubmitted_reward=-1.5")
     reasons = {m.exit_reason for m in base.values()}

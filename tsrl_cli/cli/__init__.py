@@ -20,6 +20,7 @@ from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
 from tsrl_cli.cli.predict import predict
 from tsrl_cli.cli.report import report
+from tsrl_cli.cli.serve import SERVE_EPILOG, serve
 from tsrl_cli.cli.sweep import SWEEP_EPILOG, sweep
 from tsrl_cli.cli.train import TRAIN_EPILOG, train
 from tsrl_cli.cli.verify import verify
@@ -64,6 +65,7 @@ app.add_typer(bench_app, name="bench")
 app.command("sweep", epilog=SWEEP_EPILOG)(sweep)
 app.add_typer(eval_app, name="eval")
 app.command("doctor", epilog=DOCTOR_EPILOG)(doctor)
+app.command("serve", epilog=SERVE_EPILOG)(serve)
 
 
 def _version(value: bool):

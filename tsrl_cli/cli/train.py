@@ -135,6 +135,9 @@ class TrainDisplay:
             vals = ", ".join(f"{k.split('/')[1]} {100 * v:.1f} %" for k, v in ev["metrics"].items()
                              if k.endswith("/success"))
             self.console.print(f"[dim]· held-out eval after round {ev['round']}: {vals}[/dim]", highlight=False)
+        elif kind == "log":  # a worker's line for the user (a remote rollout server marked dead, ...)
+            print_line = self._progress.console.print if self._progress is not None else self.console.print
+            print_line(f"[yellow]· {ev['who']}: {ev['line']}[/yellow]", highlight=False, markup=True)
         elif kind == "run":
             self.console.print(f"[dim]· bench: {ev['schedule']} (repeat {ev['repeat']}) -> {ev['run_dir']}[/dim]",
                                highlight=False)
@@ -182,9 +185,33 @@ def render_summary(console, cfg, s: dict) -> None:
     m.add_column()
     m.add_row("step time", f"median {_fmt(s['step_time_median_s'], '.2f', ' s')}, mean {_fmt(s['step_time_mean_s'], '.2f', ' s')}")
     m.add_row("learner idle", _fmt(None if s["learner_idle_frac_mean"] is None else 100 * s["learner_idle_frac_mean"], ".0f", " %"))
+    for k, v in streaming_lines(s.get("streaming")):
+        m.add_row(k, v)
     m.add_row("reward", f"{_fmt(s['reward_first'])} (round 1) -> {_fmt(s['reward_last'])} (round {s['rounds']})")
     m.add_row("staleness max", str(s["staleness_max"]))
     m.add_row("wall / core seconds", f"{_fmt(s['wall_s'], '.1f')} / {_fmt(s['core_s'], '.1f')}")
     m.add_row("checkpoint", str(s["checkpoint"]))
     m.add_row("run directory", s["run_dir"])
     console.print(m)
+
+
+def streaming_lines(g: dict | None) -> list[tuple[str, str]]:
+    """The summary's rows on what streaming bought (tsrl_cli.predict.streaming_gain's dict)."""
+    if not g:
+        return []
+    if g["status"] != "ok":
+        what = "not compared" if g["status"] == "not_applicable" else "n/a"
+        return [("streaming speedup", f"{what}: {g['reason']}")]
+    own, other = g["schedule"], "sync" if g["schedule"] == "stream" else "stream"
+    pred, own_pred = _fmt(g[f"predicted_{other}_step_s"], ".2f", " s"), _fmt(g[f"predicted_{own}_step_s"], ".2f", " s")
+    err = "" if g["model_error_pct"] is None else f", {g['model_error_pct']:+.1f} % vs measured"
+    speedup, ceiling = _fmt(g["speedup"], ".2f", "x"), _fmt(g["ceiling"], ".2f", "x")
+    how = ("bought: predicted sync / measured mean step" if own == "stream"
+           else "it would give: measured mean step / predicted stream")
+    balance = f"{_fmt(g['balance'], '.2f')} learner work / rollout makespan; with sync's padding the model caps the speedup"
+    rows = [(f"{other} step, predicted", f"{pred} mean, event model on this run's trace (its {own}: {own_pred}{err})"),
+            ("streaming speedup", f"{speedup} {how}"),
+            ("balance", f"{balance} at {ceiling}")]
+    if g.get("note"):
+        rows.append(("note", g["note"]))
+    return rows

