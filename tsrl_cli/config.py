@@ -66,6 +66,9 @@ class RolloutConfig:
     max_batch: int = 16  # turn requests per engine call
     batch_invariant: bool = False  # each request alone: bitwise reproducible in float32, slower
     executor: str = "local"  # sandbox executor: local | docker
+    # share of a round's trajectories whose environment may fail to start (scored 0) before the run stops
+    # with exit 1; 0 = the first such failure stops it (a broken environment is never a reward)
+    max_env_error_frac: float = 0.0
     tool_latency_median_s: float = 0.0  # injected after each tool call (lognormal); 0 = none
     tool_latency_sigma: float = 0.0  # lognormal spread of the injected latency
     # policy engine: hf (transformers, exact) | vllm (GPU: the gpu extra) | openai (remote `tsrl serve` servers)
@@ -417,6 +420,8 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     for k, v in nonneg.items():
         if v < 0:
             raise ConfigError(f"config key {k}: must be >= 0, got {v}")
+    if not 0 <= cfg.rollout.max_env_error_frac <= 1:
+        raise ConfigError(f"config key rollout.max_env_error_frac: must be in [0, 1], got {cfg.rollout.max_env_error_frac}")
     if cfg.offpolicy.tis_cap is not None and cfg.offpolicy.tis_cap <= 0:
         raise ConfigError(f"config key offpolicy.tis_cap: must be > 0 (or null for off), got {cfg.offpolicy.tis_cap}")
     if cfg.data.limit is not None and cfg.data.limit < 1:

@@ -411,3 +411,30 @@ def _zombies() -> set[int]:
         except OSError:
             pass
     return out
+
+
+def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture):
+    """A broken environment is never a reward: the docker executor where no container can start (no docker
+    package or daemon here) exits 1 with one line naming the round, the task and the cause; the learner
+    never steps on it. With rollout.max_env_error_frac=1 the same run trains and counts them per round.
+    The same tasks with the local executor start (test_prepared_dataset_in_real_sandboxes)."""
+    from typer.testing import CliRunner
+
+    from tsrl_cli.cli import app
+
+    prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
+    base = ["train", "--set", "model.policy=builtin:toy", "--set", f"data.train=[{tmp_path / 'tb'}]",
+            "--set", "rollout.prompts_per_round=1", "--set", "rollout.group_size=2", "--set", "rollout.max_turns=2",
+            "--set", "rollout.executor=docker", "--rounds", "1"]
+    res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "loud")])
+    lines = res.stderr.strip().splitlines()
+    assert res.exit_code == 1, res.output[-2000:]
+    assert lines[-2].startswith("error: the rollout process failed: round 1: 1 of 2 trajectories "
+                                "could not start their environment (first: task "), lines[-3:]
+    assert "rollout.max_env_error_frac is 0" in lines[-2]
+    assert not (tmp_path / "loud" / "metrics.jsonl").is_file() or not rows(tmp_path / "loud", "metrics.jsonl")
+    res = CliRunner().invoke(app, [*base, "--set", "rollout.max_env_error_frac=1", "--out", str(tmp_path / "counted"),
+                                   "--json"])
+    assert res.exit_code == 0, res.output[-2000:]
+    m = rows(tmp_path / "counted", "metrics.jsonl")
+    assert m[0]["env_errors"] == 2 and m[0]["exit_reasons"] == {"env_error": 2}

@@ -118,7 +118,8 @@ class TrainDisplay:
             r = ev["row"]
             line = (f"round {r['round']}/{self.total_rounds}: step {r['step_time_s']:.2f} s, makespan "
                     f"{r['rollout_makespan_s']:.2f} s, learner idle {100 * r['learner_idle_frac']:.0f} %, "
-                    f"reward {r['reward_mean']:.3f}, staleness {r['staleness_max']}")
+                    f"reward {r['reward_mean']:.3f}, staleness {r['staleness_max']}"
+                    + (f", [yellow]environment errors {r['env_errors']}[/yellow]" if r.get("env_errors") else ""))
             if self._progress is not None:
                 self._progress.console.print(f"[dim]· {line}[/dim]", highlight=False)
                 self._progress.update(self._rounds, completed=r["round"])

@@ -25,6 +25,7 @@ from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.engines.base import SamplingParams
+from tsrl_cli.errors import OperationFailed
 from tsrl_cli.policy import load_tokenizer
 from tsrl_cli.processes import (
     init_worker,
@@ -37,6 +38,10 @@ from tsrl_cli.rl.replicas import make_pool
 from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
 from tsrl_cli.rollouts import Rollout
+
+
+class EnvironmentFailed(OperationFailed):
+    """More trajectories of a round could not start their environment than rollout.max_env_error_frac allows."""
 
 
 class RolloutWorker:
@@ -86,12 +91,22 @@ class RolloutWorker:
         sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
         done: list[TrajectoryDone] = []
         started = 0
+        env_errors: list[TrajectoryDone] = []
+        allowed = self.cfg.rollout.max_env_error_frac * plan.num_trajectories
 
         async def one(spec: GroupSpec, i: int) -> None:
             nonlocal started
             async with sem:
                 started += 1
                 msg = await self.run_one(plan.round, version, spec, i)
+            if msg.exit_reason.startswith("env_error"):
+                env_errors.append(msg)
+                if len(env_errors) > allowed:  # before the learner sees it: no step on a broken environment
+                    raise EnvironmentFailed(
+                        f"round {plan.round}: {len(env_errors)} of {plan.num_trajectories} trajectories could not start "
+                        f"their environment (first: task {env_errors[0].task_key}: "
+                        f"{env_errors[0].exit_reason.removeprefix('env_error: ')}); rollout.max_env_error_frac is "
+                        f"{self.cfg.rollout.max_env_error_frac:g}: check the task with `tsrl env exec`, or raise it")
             self.out_q.put(msg)
             done.append(msg)
             self.report_q.put(("progress", "rollout", {"round": plan.round, "done": len(done),
@@ -112,6 +127,7 @@ class RolloutWorker:
             "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             "turns_mean": statistics.fmean(m.num_turns for m in done),
             "exit_reasons": dict(Counter(m.exit_reason.split(":")[0] for m in done)),
+            "env_errors": len(env_errors),
             "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
             "engine": self.pool.name, **self.pool.stats(),
         }
@@ -132,7 +148,7 @@ class RolloutWorker:
         try:
             try:
                 await env.start()
-            except Exception as e:  # noqa: BLE001 - a sandbox that cannot start: a prompt-only trajectory, reward 0
+            except Exception as e:  # noqa: BLE001 - a sandbox that cannot start: counted, and over the cap the run stops
                 ids = self.renderer.prompt(SYSTEM_PROMPT, env.instruction)
                 ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids))
                 return TrajectoryDone(round_, version, ro, spec.task_key, f"env_error: {type(e).__name__}: {e}", 0,

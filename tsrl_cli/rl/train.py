@@ -19,6 +19,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import queue
+import re
 import shutil
 import statistics
 import tempfile
@@ -317,6 +318,7 @@ class Orchestrator:
                 if cause is not None:
                     raise TrainError(f"{cause}; `tsrl train --resume` continues from the last checkpoint")
                 last = payload.strip().splitlines()[-1] if payload.strip() else "?"
+                last = re.sub(r"^tsrl_cli\.[\w.]+Failed: ", "", last)  # our own failures say what happened
                 raise TrainError(f"the {who} process failed: {last}\n{payload}")
             if kind == "ready":
                 ready.add(who)
@@ -395,6 +397,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "model_param_bytes": le.get("model_bytes"), "trainable_param_bytes": le.get("trainable_bytes"),
         "trajectories": ro["trajectories"], "tokens": ro["tokens"], "loss_tokens": ro["loss_tokens"],
         "reward_mean": ro["reward_mean"], "reward_std": ro["reward_std"], "loss": le["loss"],
+        "env_errors": ro.get("env_errors", 0),  # trajectories whose environment did not start (scored 0)
         "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
         # beyond the contract's required keys
         "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
