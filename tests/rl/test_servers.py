@@ -39,10 +39,21 @@ def server(model_dir):
     return start_server(HFEngine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join)
 
 
-def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config, toy_policies):
+@pytest.fixture(scope="module")
+def ref(toy_policies, tmp_path_factory):
+    """The in-process engine's run (float64, 2 stream rounds): what every server run must reproduce."""
+    from conftest import TOY  # tests/rl/conftest.py: the toy workload's settings
+
+    from tsrl_cli.config import load_config
+
+    cfg = load_config(sets=[*TOY, "model.dtype=float64", "run.save_rollouts=true",
+                            f"run.out={tmp_path_factory.mktemp('ref')}"], flags={"schedule": "stream", "rounds": 2})
+    train(cfg)
+    return cfg
+
+
+def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config, toy_policies, ref):
     flags = {"model.dtype": "float64", "run.save_rollouts": True}
-    ref = toy_config(out="ref", schedule="stream", rounds=2, **flags)
-    train(ref)
 
     a, b = server(toy_policies[0]), server(toy_policies[0])
     log: list[dict] = []
@@ -77,17 +88,7 @@ def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config,
     assert m[0]["rollout_engine"] == "OpenAIEngine" and m[1]["weight_sync_hosts"] == 1 and m[1]["weight_sync_s"] > 0
 
 
-def ref_sets(toy_config) -> list[str]:
-    """The toy workload's settings, as --set strings (from the fixture's own config)."""
-    cfg = toy_config()
-    ro = cfg.rollout
-    return [f"model.policy={cfg.model.policy}", "data.train=[builtin:echo]", f"rollout.prompts_per_round={ro.prompts_per_round}",
-            f"rollout.group_size={ro.group_size}", f"rollout.max_turns={ro.max_turns}",
-            f"rollout.max_turn_tokens={ro.max_turn_tokens}", f"rollout.max_trajectory_tokens={ro.max_trajectory_tokens}",
-            f"optim.lr={cfg.optim.lr}"]
-
-
-def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies, tmp_path):
+def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies, tmp_path, ref):
     """The multi-node recipe of docs/distributed.md on one machine: `torchrun --nnodes 2 --nproc-per-node 1`
     (two "nodes", one learner rank each) and one `tsrl serve` process as the rollout node: 2 rounds,
     the same tokens as the single-process run and final weights within 1e-9 (float64)."""
@@ -95,8 +96,6 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
     import subprocess
     import sys
 
-    ref = toy_config(out="ref", schedule="stream", rounds=2, **{"model.dtype": "float64", "run.save_rollouts": True})
-    train(ref)
     root = Path(__file__).resolve().parents[2]
     srv = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "serve", "--model", str(toy_policies[0]), "--dtype",
                             "float64", "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -105,7 +104,9 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
         url = srv.stdout.readline().split()[2]  # "tsrl serve: http://127.0.0.1:PORT (model ...)"
         assert url.startswith("http://"), url
         out = tmp_path / "two-nodes"
-        sets = [a for s in [*ref_sets(toy_config), "model.dtype=float64", "run.save_rollouts=true", "rollout.engine=openai",
+        from conftest import TOY
+
+        sets = [a for s in [*TOY, "model.dtype=float64", "run.save_rollouts=true", "rollout.engine=openai",
                             f"rollout.servers=[{url}]"] for a in ("--set", s)]
         port = str(29900 + os.getpid() % 90)
         for node in (0, 1):
