@@ -185,6 +185,35 @@ def test_docker_executor_needs_sdk_and_daemon(facts):
     assert not c.ok and "no Docker daemon" in c.detail
 
 
+def test_rollout_servers_must_answer_with_weight_endpoints(facts):
+    """rollout.engine openai: each server is checked where it is: a healthy `tsrl serve` passes, a server
+    without the weight endpoints (as a plain vllm serve) and a dead URL fail, each with its fix."""
+    import socket
+
+    from tsrl_cli.engines.hf import HFEngine
+    from tsrl_cli.engines.server import start_server
+    from tsrl_cli.policy import load_policy
+    from tsrl_cli.rl.toy import ensure_toy_policy
+    from tsrl_cli.rl.weightbus import WeightBus
+
+    model, tok = load_policy(ensure_toy_policy("builtin:toy"))
+    good = start_server(HFEngine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join)
+    plain = start_server(HFEngine(model, pad_id=tok.pad_token_id))  # generation only: no bus
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    try:
+        cfg = load_config(TINY, ["rollout.engine=openai", f"rollout.servers=[{good.url},{plain.url},{dead}]"])
+        checks = {c.what.split()[-1]: c for c in plan_checks(cfg, facts) if c.what.startswith("rollout.servers")}
+    finally:
+        good.shutdown()
+        plain.shutdown()
+    assert checks[good.url].ok and "policy version" in checks[good.url].detail
+    assert not checks[plain.url].ok and "tsrl serve" in checks[plain.url].fix
+    assert not checks[dead].ok and "cannot connect" in checks[dead].detail and "tsrl serve" in checks[dead].fix
+    assert not any(c.what.startswith("devices.rollout") for c in plan_checks(cfg, facts))  # no local engine
+
+
 def test_opd_checks_teacher_device_and_model(facts):
     cfg = load_config(TINY, ["objective=opd", "devices.teacher=1", "model.teacher=builtin:toy-teacher"])
     checks = plan_checks(cfg, facts)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
-from tsrl_cli.errors import UsageError
+from tsrl_cli.engines.openai import ServerDown, http_json
+from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.rl.toy import ECHO, TOY_PREFIX, parse_toy_spec
 from tsrl_cli.rl.train import EMBEDDED_POLICY
 from tsrl_cli.sandbox.docker import docker_unavailable_reason
@@ -260,11 +261,32 @@ def _dataset_check(key: str, name: str, limit: int | None) -> Check:
     return Check(what, True, f"{len(ds.tasks)} tasks in {ds.path}")
 
 
+def _server_check(url: str, timeout_s: float = 5.0) -> Check:
+    """A rollout server answers /health, and has the weight-bus endpoints training needs (`tsrl serve`)."""
+    what = f"rollout.servers {url}"
+    try:
+        http_json(f"{url.rstrip('/')}/health", timeout_s=timeout_s)
+    except (ServerDown, OperationFailed) as e:
+        return Check(what, False, f"no healthy answer: {str(e).removeprefix(url).lstrip('/: ')}",
+                     f"start it there: tsrl serve --model DIR --host 0.0.0.0 --port {url.rsplit(':', 1)[-1].rstrip('/')}")
+    try:
+        st = http_json(f"{url.rstrip('/')}/tsrl/weights/status", timeout_s=timeout_s)
+    except (ServerDown, OperationFailed):
+        st = {}
+    if not st.get("weight_bus"):
+        return Check(what, False, "answers, but has no weight-bus endpoints (a plain vllm serve?): it cannot take "
+                     "new weights", "serve the policy with `tsrl serve` (--engine vllm keeps vLLM)")
+    return Check(what, True, f"healthy, policy version {st.get('policy_version')}")
+
+
 def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     """One Check per thing the resolved config needs from this machine, in config order."""
     opd = cfg.objective == "opd"
-    replicas = rollout_replicas(cfg)
-    out = [_devices_check("devices.rollout", cfg.devices.rollout, tuple(d for r in replicas for d in r), facts)]
+    if cfg.rollout.engine == "openai":  # the engines are the servers: this machine runs the agent sessions only
+        out = [_server_check(url) for url in cfg.rollout.servers]
+    else:
+        replicas = rollout_replicas(cfg)
+        out = [_devices_check("devices.rollout", cfg.devices.rollout, tuple(d for r in replicas for d in r), facts)]
     learners = learner_devices(cfg)
     out.append(_devices_check("devices.learner", cfg.devices.learner, learners, facts))
     if (backend := _backend_check(learners, facts)) is not None:

@@ -286,7 +286,8 @@ class RolloutServer:
         return {"joining": True}
 
     def status(self) -> dict:
-        return {**self.join_status, "policy_version": self.engine.version}
+        # weight_bus: whether this server can join one at all (started with a join function, as tsrl serve is)
+        return {**self.join_status, "policy_version": self.engine.version, "weight_bus": self.join_fn is not None}
 
     def sync(self) -> dict:
         """Take one sync from the bus: every bucket straight into the engine, the version set at the end."""
