@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from toy_workload import TOY
 
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.server import start_server
@@ -42,8 +43,6 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def ref(toy_policies, tmp_path_factory):
     """The in-process engine's run (float64, 2 stream rounds): what every server run must reproduce."""
-    from conftest import TOY  # tests/rl/conftest.py: the toy workload's settings
-
     from tsrl_cli.config import load_config
 
     cfg = load_config(sets=[*TOY, "model.dtype=float64", "run.save_rollouts=true",
@@ -104,8 +103,6 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
         url = srv.stdout.readline().split()[2]  # "tsrl serve: http://127.0.0.1:PORT (model ...)"
         assert url.startswith("http://"), url
         out = tmp_path / "two-nodes"
-        from conftest import TOY
-
         sets = [a for s in [*TOY, "model.dtype=float64", "run.save_rollouts=true", "rollout.engine=openai",
                             f"rollout.servers=[{url}]"] for a in ("--set", s)]
         port = str(29900 + os.getpid() % 90)

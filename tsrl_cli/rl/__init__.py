@@ -5,9 +5,11 @@
   types.py            what flows between processes (round plans, trajectories, turns)
   tasks.py            task tables (prepared datasets or builtin:echo) and the per-round draw
   toy.py              builtin:echo tasks and the builtin:toy policy (tests, benchmarks)
-  rollout_worker.py   policy engine + concurrent agent sessions; emits trajectories / turns
+  rollout_worker.py   concurrent agent sessions over an engine pool; emits trajectories / turns
+  replicas.py         engine pools: the engine in the rollout process, replica processes, remote servers
+  weightbus.py        new weights from the learner to every engine over torch.distributed (buckets)
   teacher_worker.py   OPD: scores each model turn the moment it closes
-  learner_worker.py   model + optimizer; one step per round; publishes weights; checkpoints
+  learner_worker.py   model + optimizer; one step per round; offers weights to the bus; checkpoints
   runlog.py           the run directory (docs/run-directory.md)
   train.py            the orchestrator: `tsrl train` as a library function
   bench.py            `tsrl bench speedup`
