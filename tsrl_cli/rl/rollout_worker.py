@@ -54,11 +54,10 @@ class RolloutWorker:
         ro = cfg.rollout
         self.pool = make_pool(cfg, init_dir, policy_dir, start_version, bus_addr, replica_qs,
                               log=lambda line: report_q.put(("log", "rollout", line)))
-        self.device = getattr(self.pool, "device", "cpu")  # where this process's own engine is, if it has one
+        self.device = self.pool.device  # where this process's own engine is, if it has one
         self.renderer = ChatMLRenderer(load_tokenizer(init_dir))
         if ro.engine == "openai":  # remote servers hold whatever they loaded: start them on the run's weights
-            self.want_q.put(self.pool.want(start_version, -1))
-            self.pool.sync()
+            self._sync(start_version, -1)
         self.tasks = load_task_table(cfg.data.train, cfg.data.limit)
         self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, seed=cfg.seed)
         self.limits = AgentLimits(max_turns=ro.max_turns, max_turn_tokens=ro.max_turn_tokens,
@@ -80,10 +79,14 @@ class RolloutWorker:
         have = self.pool.version
         if self.on_policy and need <= have:
             return
-        self.want_q.put(self.pool.want(need, have))
-        info = self.pool.sync()
+        info = self._sync(need, have)
         if info is not None:
             self.report_q.put(("weights_applied", info["version"], info))
+
+    def _sync(self, need: int, have: int) -> dict | None:
+        """Ask the learner's publisher for version >= need and take it into every engine."""
+        self.want_q.put(self.pool.want(need, have))
+        return self.pool.sync()
 
     # ---- one round ----------------------------------------------------------------------------
     async def generate_round(self, plan: RoundPlan) -> dict:

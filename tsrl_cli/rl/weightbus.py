@@ -24,6 +24,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from tsrl_cli.config import TrainConfig
+from tsrl_cli.devices import learner_devices, rollout_replicas
+
 BUCKET_BYTES = 256 << 20  # per broadcast: large enough to keep NCCL/gloo busy, small beside any engine
 TIMEOUT = datetime.timedelta(minutes=30)  # a sync waits for a learner step at most this long
 
@@ -172,6 +175,29 @@ class Publisher:
     def close(self, timeout: float | None = None) -> None:
         """Wait until the rollout side said it needs no more syncs."""
         self._thread.join(timeout)
+
+
+# ---- the bus of one run (its config decides the members and the backend) -------------------------
+def bus_backend(cfg: TrainConfig) -> str:
+    """gloo, or nccl when the learner and every local engine hold CUDA tensors (weight_sync_backend auto)."""
+    if cfg.rollout.weight_sync_backend != "auto":
+        return cfg.rollout.weight_sync_backend
+    if cfg.rollout.engine == "openai":
+        return "gloo"
+    devs = [d for r in rollout_replicas(cfg) for d in r] + [learner_devices(cfg)[0]]
+    return "nccl" if all(d.startswith("cuda") for d in devs) else "gloo"
+
+
+def bus_size(cfg: TrainConfig) -> int:
+    """Members of the weight bus: the learner and one per engine host."""
+    hosts = len(cfg.rollout.servers) if cfg.rollout.engine == "openai" else len(rollout_replicas(cfg))
+    return 1 + hosts
+
+
+def join_bus(cfg: TrainConfig, addr: tuple[str, int], rank: int, device: str, epoch: int = 0,
+             world: int | None = None) -> WeightBus:
+    return WeightBus.join(addr[0], addr[1], rank, world or bus_size(cfg), bus_backend(cfg), device,
+                          bucket_bytes=cfg.rollout.weight_bucket_mb << 20, epoch=epoch)
 
 
 def serve_store(host: str = "127.0.0.1", port: int = 0) -> dist.TCPStore:
