@@ -12,6 +12,7 @@ import random
 
 OVERHEAD = 1.02
 STEP_S, SYNC_S = 0.05, 0.02
+MODEL, TASKS = "builtin:toy", "builtin:echo"  # what config.yaml names: the report's setup label reads them
 
 
 def _round(rng, sigma, items, cost_s, schedule, rnd):
@@ -41,11 +42,15 @@ def _round(rng, sigma, items, cost_s, schedule, rnd):
     return ev, arrivals[-1], busy, step_time
 
 
-def make_run(d, experiment, schedule, seed, sigma, rounds=8, items=6, cost_s=0.3, done=True):
+def make_run(d, experiment, schedule, seed, sigma, rounds=8, items=6, cost_s=0.3, done=True, rollout="cpu",
+             learner="cpu", model=MODEL):
+    """One run directory; rollout/learner are its config's device specs (core_s always counts 2 processes)."""
     d.mkdir(parents=True)
     rng = random.Random(seed * 1000 + int(sigma * 100))  # same workload for sync and stream of a seed
-    (d / "config.yaml").write_text(f"name: {experiment}\nschedule: {schedule}\nseed: {seed}\n"
-                                   f"rollout:\n  tool_latency_sigma: {sigma}\n  group_size: {items}\n")
+    (d / "config.yaml").write_text(f"name: {experiment}\nobjective: grpo\nschedule: {schedule}\nseed: {seed}\n"
+                                   f"model:\n  policy: {model}\ndata:\n  train: [{TASKS}]\n"
+                                   f"rollout:\n  tool_latency_sigma: {sigma}\n  group_size: {items}\n"
+                                   f"devices:\n  rollout: '{rollout}'\n  learner: '{learner}'\n  teacher: null\n")
     metrics, events, wall = [], [], 0.0
     for rnd in range(1, rounds + 1):
         ev, makespan, busy, step_time = _round(rng, sigma, items, cost_s, schedule, rnd)
@@ -70,9 +75,9 @@ def make_run(d, experiment, schedule, seed, sigma, rounds=8, items=6, cost_s=0.3
 
 
 def make_tree(root, experiments=(("spread_low", 0.2), ("spread_high", 1.0)), schedules=("sync", "stream"),
-              seeds=(42, 43, 44), rounds=8):
+              seeds=(42, 43, 44), rounds=8, **run):
     for exp, sigma in experiments:
         for sched in schedules:
             for seed in seeds:
-                make_run(root / exp / sched / f"seed{seed}", exp, sched, seed, sigma, rounds)
+                make_run(root / exp / sched / f"seed{seed}", exp, sched, seed, sigma, rounds, **run)
     return root

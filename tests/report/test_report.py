@@ -1,31 +1,18 @@
 """`tsrl report` on a synthetic results tree (tests/report/synthetic_runs.py): every table and figure."""
 
-import csv
-import io
 import json
 import statistics
 
 import pytest
-from synthetic_runs import OVERHEAD, make_run, make_tree
+from report_helpers import read_csv
+from synthetic_runs import MODEL, OVERHEAD, TASKS, make_tree
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
 
 runner = CliRunner()
-TABLES = ("step_time", "learner_idle", "memory", "core_hours_to_target", "reward_at_budget", "predicted_vs_measured")
+TABLES = ("step_time", "learner_idle", "memory", "device_hours_to_target", "reward_at_budget", "predicted_vs_measured")
 FIGURES = ("speedup_vs_spread", "predicted_vs_measured", "gantt_round", "reward_curves", "memory")
-
-
-@pytest.fixture(scope="module")
-def built(results_tree, tmp_path_factory):
-    out = tmp_path_factory.mktemp("report")
-    res = runner.invoke(app, ["report", str(results_tree), "--out", str(out), "--json"])
-    assert res.exit_code == 0, res.output
-    return out, json.loads(res.stdout)
-
-
-def read_csv(p):
-    return list(csv.DictReader(io.StringIO(p.read_text())))
 
 
 def test_writes_every_table_and_figure(built):
@@ -73,7 +60,9 @@ def test_report_md_puts_ours_beside_the_paper(built):
     out, doc = built
     md = (out / "REPORT.md").read_text()
     assert "1313 s -> 687 s" in md and "117.0 GB -> 122.8 GB" in md and "588 paired rows" in md
-    assert "ours (CPU, tiny model, embedded tasks)" in md and "paper (one node of 8 B200 GPUs" in md
+    # the setup is the runs' own config.yaml: rollout and learner on cpu, the model and tasks it names
+    assert f"ours (2 cpu devices (rollout cpu, learner cpu); model {MODEL}; tasks {TASKS})" in md
+    assert "paper (one node of 8 B200 GPUs" in md
     assert "figures/gantt_round.png" in md and "rollout.tool_latency_sigma=0.2" in md
     assert "seed45: no DONE" in md and any("seed45" in n for n in doc["notes"])
     spread = read_csv(out / "figures" / "speedup_vs_spread.csv")
@@ -111,6 +100,21 @@ def test_empty_and_bad_results_dirs(tmp_path):
     assert runner.invoke(app, ["report", str(tmp_path / "empty"), "--warmup", "40"]).exit_code == 2
 
 
+def test_bad_out_budget_and_rows(tmp_path):
+    """One-line errors (exit 2) that name the option and the fix; a metrics row without an integer
+    round is counted as unreadable, not a crash."""
+    root = make_tree(tmp_path / "r", experiments=(("e", 0.5),), schedules=("stream",), seeds=(1,), rounds=6)
+    (tmp_path / "file").write_text("")
+    res = runner.invoke(app, ["report", str(root), "--out", str(tmp_path / "file")])
+    assert res.exit_code == 2 and "is a file; name a directory" in res.stderr and len(res.stderr.splitlines()) == 1
+    res = runner.invoke(app, ["report", str(root), "--budget-device-s", "0"])
+    assert res.exit_code == 2 and "--budget-device-s 0" in res.stderr
+    with (root / "e" / "stream" / "seed1" / "metrics.jsonl").open("a") as f:
+        f.write('{"round": "seven", "reward_mean": 1.0}\n{"round": 7.5}\n')
+    res = runner.invoke(app, ["report", str(root), "--json"])
+    assert res.exit_code == 0 and "e/stream/seed1/metrics.jsonl: 2 unreadable line(s) ignored" in res.stdout
+
+
 def test_human_output_and_help(tmp_path):
     root = make_tree(tmp_path / "r", experiments=(("e", 0.5),), schedules=("stream",), seeds=(1,), rounds=6)
     res = runner.invoke(app, ["report", str(root)])
@@ -118,16 +122,12 @@ def test_human_output_and_help(tmp_path):
     assert runner.invoke(app, ["report", "--help"]).exit_code == 0
 
 
-def test_async_runs_give_the_budget_comparison(tmp_path):
-    root = make_tree(tmp_path / "r", experiments=(("e", 0.5),), schedules=("sync", "stream"), seeds=(1, 2), rounds=7)
-    for seed in (1, 2):  # an "async" schedule row: the synthetic generator treats it like stream timing-wise
-        make_run(root / "e" / "async" / f"seed{seed}", "e", "stream", seed, 0.5, rounds=7)
-    res = runner.invoke(app, ["report", str(root), "--json"])
-    assert res.exit_code == 0, res.output
-    md = (root / "report" / "REPORT.md").read_text()
-    assert "stream" in md and "vs async" in md
-    budget = read_csv(root / "report" / "tables" / "reward_at_budget.csv")
-    assert {r["schedule"] for r in budget} == {"sync", "stream", "async"}
+def test_async_runs_give_the_budget_comparison(built_async):
+    out, _ = built_async
+    md = (out / "REPORT.md").read_text()
+    assert "stream" in md and "vs async" in md and "device-hours (cpu)" in md
+    budget = read_csv(out / "tables" / "reward_at_budget.csv")
+    assert [r["schedule"] for r in budget] == ["sync", "stream", "async"]
 
 
 def test_warmup_defaults_to_the_sweeps(tmp_path):
@@ -146,12 +146,16 @@ def test_warmup_defaults_to_the_sweeps(tmp_path):
 def test_paired_speedup_rows_by_hand():
     """Sync trace prices sync (10 s), stream trace prices stream (5 s): predicted 2.0 against measured
     10 / 5.5; the stream trace alone predicted 1.5."""
+    import pandas as pd
+
     from tsrl_cli.report.tables import paired_speedup_rows
 
     base = {"experiment": "e", "seed": 42, "round": 5}
     pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0, "predicted_speedup": 10 / 6},
-            {**base, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0, "predicted_speedup": 1.5}]
-    (row,) = paired_speedup_rows(pred)
+            {**base, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0, "predicted_speedup": 1.5},
+            {**base, "round": 6, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0,
+             "predicted_speedup": 1.5}]  # no sync partner in round 6: no row
+    (row,) = paired_speedup_rows(pd.DataFrame(pred)).to_dict("records")
     assert row["measured_speedup"] == pytest.approx(10 / 5.5)
     assert row["predicted_speedup"] == pytest.approx(2.0)
     assert row["error_pct"] == pytest.approx(100 * (2.0 - 10 / 5.5) / (10 / 5.5))

@@ -1,4 +1,4 @@
-"""`tsrl --help` loads neither matplotlib nor the report code; the event model is pure python."""
+"""`tsrl --help` loads neither matplotlib nor the report code; the event model is pure python; the report is pandas, no torch."""
 
 import subprocess
 import sys
@@ -17,6 +17,13 @@ def test_cli_help_does_not_load_report_or_matplotlib():
 
 
 def test_predict_imports_no_torch_or_numpy():
-    code = ("import sys\nimport tsrl_cli.predict, tsrl_cli.report.aggregate\n"
+    code = ("import sys\nimport tsrl_cli.predict\n"
             "print(sorted(m for m in ('torch', 'numpy', 'matplotlib', 'typer', 'rich') if m in sys.modules))")
     assert _run(code) == "[]"
+
+
+def test_report_imports_pandas_but_no_torch():
+    """The report reads device specs without tsrl_cli.devices (torch); matplotlib loads only to draw."""
+    code = ("import sys\nimport tsrl_cli.report.build\n"
+            "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'typer', 'rich') if m in sys.modules))")
+    assert _run(code) == "['pandas']"

@@ -1,72 +1,67 @@
-"""The one aggregation every table uses (the ThunderSyncRL report's measurement
-discipline: 40 rounds per seed, rounds 1-4 warm-up, seeds 42-44).
+"""The one aggregation every table uses (the ThunderSyncRL report's measurement discipline: 40 rounds
+per seed, rounds 1-4 warm-up, seeds 42-44), on the tidy frame of rounds from report/load.py.
 
-Rounds 1..warmup (default 4) are warm-up and dropped; rounds warmup+1..last_round (default 5..40)
-are reduced per seed (mean, or max for peaks); then mean, std (n-1) and a 95 % Student-t interval
-over seeds. Per-seed scalars that are not per round (core-seconds to a target) enter at the
-second stage, `over_seeds`.
+Rounds 1..warmup (default 4) are warm-up and dropped; rounds warmup+1..last_round (default 5..40) are
+reduced per seed (mean, or max for peaks); then mean, std (n-1) and a 95 % Student-t interval over
+seeds. Per-seed values that are not per round (device-seconds to a target) enter at the second stage,
+`over_seeds`. Missing and non-finite values are NaN and are skipped at both stages; a seed with no
+counted round is left out.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+
+import pandas as pd
+
+from tsrl_cli.report.load import RUN, numeric
 
 WARMUP_ROUNDS = 4
 LAST_ROUND = 40
+CELL = ["experiment", "schedule"]  # one table row
+STATS = ("mean", "std", "ci_low", "ci_high")
 
 
-@dataclass(frozen=True)
-class Spread:
-    mean: float | None
-    std: float | None  # sample std over seeds (n - 1); None with one seed
-    ci_low: float | None  # 95 % Student-t interval of the mean over seeds; None with one seed
-    ci_high: float | None
-    n_seeds: int
-    n_rounds: int = 0  # rounds counted per seed (the smallest over seeds)
-
-    def as_row(self, prefix: str) -> dict:
-        return {f"{prefix}_mean": self.mean, f"{prefix}_std": self.std, f"{prefix}_ci_low": self.ci_low,
-                f"{prefix}_ci_high": self.ci_high}
+def per_seed(rounds: pd.DataFrame, key: str, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND,
+             how: str = "mean") -> pd.DataFrame:
+    """The first stage, one row per run: `value` = `how` (mean | max) of `key` over rounds
+    warmup+1..last_round (NaN when none counts), `n_rounds` = how many rounds counted."""
+    counted = numeric(rounds, key).where(rounds["round"].between(warmup + 1, last_round))
+    g = rounds[RUN].assign(value=counted).groupby(RUN, sort=False)["value"]
+    return g.agg(value=how, n_rounds="count").reset_index()
 
 
-def over_seeds(values: list[float]) -> Spread:
-    """Mean, sample std and the 95 % t-interval of per-seed values (None entries are dropped)."""
-    xs = [float(v) for v in values if v is not None and math.isfinite(v)]
-    n = len(xs)
-    if n == 0:
-        return Spread(None, None, None, None, 0)
-    mean = statistics.fmean(xs)
-    if n == 1:
-        return Spread(mean, None, None, None, 1)
-    std = statistics.stdev(xs)
-    half = t_quantile_975(n - 1) * std / math.sqrt(n)
-    return Spread(mean, std, mean - half, mean + half, n)
+def over_seeds(values: pd.DataFrame, col: str = "value", by: list[str] = CELL, prefix: str | None = None) -> pd.DataFrame:
+    """The second stage, one row per group of `by`: mean, sample std (n-1) and the 95 % t-interval of
+    the mean over the group's seeds (NaN values dropped; std and interval NaN with one seed), n_seeds.
+    Columns are named `<prefix>_mean` ... `<prefix>_n_seeds` when a prefix is given."""
+    p = f"{prefix}_" if prefix else ""
+    out = values.groupby(by, sort=False)[col].agg(**{f"{p}mean": "mean", f"{p}std": "std", f"{p}n_seeds": "count"})
+    n, mean = out[f"{p}n_seeds"], out[f"{p}mean"]
+    half = n.map(lambda k: t_quantile_975(k - 1) if k > 1 else math.nan) * out[f"{p}std"] / n ** 0.5
+    out[f"{p}ci_low"], out[f"{p}ci_high"] = mean - half, mean + half
+    return out.reset_index()
 
 
-def aggregate(by_seed: Mapping[int, Mapping[int, float | None]], warmup: int = WARMUP_ROUNDS,
-              last_round: int = LAST_ROUND, reduce: Callable[[list[float]], float] = statistics.fmean) -> Spread:
-    """by_seed[seed][round] = value -> Spread over seeds of reduce(values of rounds warmup+1..last_round).
-
-    A seed with no counted round (all warm-up, or all None) is left out; n_seeds says how many stayed.
-    """
-    per_seed, n_rounds = [], []
-    for rounds in by_seed.values():
-        v, n = seed_value(rounds, warmup, last_round, reduce)
-        if v is not None:
-            per_seed.append(v)
-            n_rounds.append(n)
-    s = over_seeds(per_seed)
-    return Spread(s.mean, s.std, s.ci_low, s.ci_high, s.n_seeds, min(n_rounds, default=0))
+def aggregate(rounds: pd.DataFrame, key: str, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND,
+              how: str = "mean") -> pd.DataFrame:
+    """Both stages per (experiment, schedule): `<key>_mean`, `_std`, `_ci_low`, `_ci_high`, `_n_seeds`
+    (seeds that had a counted round) and n_rounds (rounds counted per seed, the smallest over them)."""
+    seeds = per_seed(rounds, key, warmup, last_round, how).dropna(subset=["value"])
+    out = over_seeds(seeds, prefix=key)
+    return out.merge(seeds.groupby(CELL, sort=False)["n_rounds"].min().reset_index(), on=CELL, how="left")
 
 
 def seed_value(rounds: Mapping[int, float | None], warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND,
-               reduce: Callable[[list[float]], float] = statistics.fmean) -> tuple[float | None, int]:
-    """The first stage for one seed: reduce(values of rounds warmup+1..last_round), and how many."""
-    xs = [v for r, v in rounds.items() if warmup < r <= last_round and v is not None and math.isfinite(v)]
-    return (reduce(xs) if xs else None), len(xs)
+               how: str = "mean") -> tuple[float | None, int]:
+    """The first stage for one run given as {round: value} (tsrl sweep's status line): value, rounds counted."""
+    frame = pd.DataFrame({"experiment": "", "schedule": "", "seed": 0, "round": list(rounds),
+                          "value": pd.Series(list(rounds.values()), dtype="object")})
+    if frame.empty:
+        return None, 0
+    row = per_seed(frame, "value", warmup, last_round, how).iloc[0]
+    return (None if pd.isna(row["value"]) else float(row["value"])), int(row["n_rounds"])
 
 
 def t_quantile_975(df: int) -> float:

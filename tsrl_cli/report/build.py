@@ -10,9 +10,9 @@ with a note in REPORT.md; nothing is filled in that was not measured.
 
 from __future__ import annotations
 
-import csv
 import io
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,12 +21,12 @@ from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_atomic
 from tsrl_cli.report import plots, tables
 from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS
-from tsrl_cli.report.load import Run, config_value, find_runs
+from tsrl_cli.report.load import Results, Run, load_results, numeric
+from tsrl_cli.report.tables import Table, records, to_csv
 
 # the ThunderSyncRL technical report (2026-10-05), as this project digested it: verbatim numbers, none of
 # them measured by this project.
 PAPER_SETUP = "one node of 8 B200 GPUs, Qwen-3.8-27B, SWE-smith / SETA-Env tasks"
-OURS_SETUP = "CPU, tiny model, embedded tasks"
 PAPER = {
     "idle": "49.5 % of step time idle (sync)",
     "step": "1313 s -> 687 s (1.9x)",
@@ -52,7 +52,7 @@ class ReportOptions:
     last_round: int = LAST_ROUND
     spread_key: str = "rollout.tool_latency_sigma"  # dotted key in each run's config.yaml: the x of the spread figure
     target_reward: float | None = None
-    budget_core_s: float | None = None
+    budget_device_s: float | None = None  # device-seconds (wall seconds x devices held)
     reward_key: str = "reward_mean"
     include_partial: bool = False
 
@@ -75,12 +75,18 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
         opts = replace(opts, warmup=sweep_warmup(root))
     if opts.warmup < 0 or opts.last_round <= opts.warmup:
         raise UsageError(f"--warmup {opts.warmup} / --last-round {opts.last_round}: need 0 <= warmup < last round")
+    if opts.budget_device_s is not None and not opts.budget_device_s > 0:
+        raise UsageError(f"--budget-device-s {opts.budget_device_s}: a budget is device-seconds > 0 (or leave it out "
+                         "for the smallest total among each experiment's runs)")
     out = Path(opts.out_dir) if opts.out_dir else root / "report"
-    runs, notes = find_runs(root, opts.include_partial)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file; name a directory for REPORT.md, tables/ and figures/")
+    res = load_results(root, opts.include_partial)
+    runs, notes = res.runs, res.notes
     progress(f"{len(runs)} runs under {root}")
     _check_discipline(runs, notes)
 
-    have = max((k for r in runs for k in r.rounds), default=opts.last_round)
+    have = int(res.rounds["round"].max()) if len(res.rounds) else opts.last_round
     if have < opts.last_round:  # the window [warmup+1, last_round] as the data fill it, for the notes
         notes.append(f"runs have at most {have} rounds: rounds {opts.warmup + 1}-{have} are averaged "
                      f"(the window runs to {opts.last_round})")
@@ -91,13 +97,13 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
     notes += pred_notes
     paired = tables.paired_speedup_rows(pred)
     t = {tb.name: tb for tb in (
-        tables.step_time_table(runs, w, last), tables.idle_table(runs, w, last), tables.memory_table(runs, last),
-        tables.target_table(runs, opts.target_reward, opts.reward_key),
-        tables.budget_table(runs, opts.budget_core_s, opts.reward_key), tables.prediction_table(pred, paired))}
+        tables.step_time_table(res, w, last), tables.idle_table(res, w, last), tables.memory_table(res, last),
+        tables.target_table(res, opts.target_reward, opts.reward_key),
+        tables.budget_table(res, opts.budget_device_s, opts.reward_key), tables.prediction_table(pred, paired))}
     written = {"tables": [], "figures": []}
     for tb in t.values():
-        write_atomic(out / "tables" / f"{tb.name}.csv", to_csv(tb.rows))
-        write_atomic(out / "tables" / f"{tb.name}.md", to_markdown(tb))
+        write_atomic(out / "tables" / f"{tb.name}.csv", to_csv(tb.frame))
+        write_atomic(out / "tables" / f"{tb.name}.md", tb.markdown())
         written["tables"].append(str(out / "tables" / f"{tb.name}.csv"))
     write_atomic(out / "tables" / "predicted_vs_measured_rows.csv", to_csv(pred))
     write_atomic(out / "tables" / "predicted_speedup_rows.csv", to_csv(paired))
@@ -106,28 +112,28 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
     gantt, gantt_what = tables.gantt_rows(runs, w)
     figures = [
         ("speedup_vs_spread", spread, plots.speedup_vs_spread, 1, spread_note),
-        ("predicted_vs_measured", [r for r in pred if r["measured_s"] is not None], plots.predicted_vs_measured, 1,
+        ("predicted_vs_measured", pred[pred["measured_s"].notna()], plots.predicted_vs_measured, 1,
          "no run has events.jsonl with measured step times"),
         ("gantt_round", gantt, plots.gantt, 2, gantt_what),
-        ("reward_curves", tables.reward_curve_rows(runs, opts.reward_key), plots.reward_curves, 1,
+        ("reward_curves", tables.reward_curve_rows(res, opts.reward_key), plots.reward_curves, 1,
          f"no run has `{opts.reward_key}`"),
-        ("memory", t["memory"].rows, plots.memory_bars, 1, "no run has peak_mem_learner_bytes"),
+        ("memory", t["memory"].frame, plots.memory_bars, 1, "no run has peak_mem_learner_bytes"),
     ]
     fig_md = []
-    for name, rows, draw, n_axes, why in figures:
-        drawable = rows if name != "memory" else [r for r in rows if r.get("peak_mem_learner_bytes_mean") is not None]
-        if not drawable:
+    for name, frame, draw, n_axes, why in figures:
+        drawable = frame if name != "memory" else frame[frame["peak_mem_learner_bytes_mean"].notna()]
+        if drawable.empty:
             notes.append(f"figure {name} skipped: {why}")
             continue
         progress(f"figure {name}")
-        _figure(out / "figures", name, rows, draw, n_axes)
+        _figure(out / "figures", name, frame, draw, n_axes)
         written["figures"].append(str(out / "figures" / f"{name}.png"))
         caption = f"{name}: {gantt_what}" if name == "gantt_round" else name
         fig_md.append(f"![{caption}](figures/{name}.png)  \n*{caption}* · data: [figures/{name}.csv](figures/{name}.csv)")
         if name == "speedup_vs_spread" and why:
             notes.append(why)
 
-    report = _report_md(opts, runs, t, spread, fig_md, notes)
+    report = _report_md(opts, res, t, spread, fig_md, notes)
     write_atomic(out / "REPORT.md", report)
     return {"out": str(out), "report": str(out / "REPORT.md"), "runs": len(runs),
             "experiments": sorted({r.experiment for r in runs}), **written,
@@ -143,39 +149,17 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
 # ---------------------------------------------------------------------------- writing
 
 
-def to_csv(rows: list[dict]) -> str:
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    buf = io.StringIO()
-    wr = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
-    wr.writeheader()
-    for r in rows:
-        wr.writerow({k: "" if r.get(k) is None else r[k] for k in cols})
-    return buf.getvalue()
-
-
-def to_markdown(tb: tables.Table) -> str:
-    lines = [f"### {tb.title}", ""]
-    if not tb.rows:
-        return "\n".join(lines + ["No runs with these measurements.", ""])
-    lines.append("| " + " | ".join(h for h, _ in tb.md) + " |")
-    lines.append("|" + "---|" * len(tb.md))
-    lines += ["| " + " | ".join(f(r) for _, f in tb.md) + " |" for r in tb.rows]
-    if tb.note:
-        lines += ["", tb.note]
-    return "\n".join(lines) + "\n"
-
-
-def _figure(folder: Path, name: str, rows: list[dict], draw, n_axes: int) -> None:
+def _figure(folder: Path, name: str, frame, draw, n_axes: int) -> None:
     from matplotlib.figure import Figure  # no pyplot: an Agg canvas, no display, no global state
 
-    height = 4.0 if n_axes == 1 else min(12.0, 2.0 + 0.18 * len(rows))
+    height = 4.0 if n_axes == 1 else min(12.0, 2.0 + 0.18 * len(frame))
     fig = Figure(figsize=(7.0, height), dpi=110, layout="constrained")
     axes = fig.subplots(n_axes, 1, sharex=True) if n_axes > 1 else fig.subplots()
-    draw(rows, axes)
+    draw(records(frame), axes)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     write_atomic(folder / f"{name}.png", buf.getvalue())
-    write_atomic(folder / f"{name}.csv", to_csv(rows))
+    write_atomic(folder / f"{name}.csv", to_csv(frame))
 
 
 # ---------------------------------------------------------------------------- REPORT.md
@@ -192,11 +176,11 @@ def _check_discipline(runs: list[Run], notes: list[str]) -> None:
                          f"({'; '.join(f'{s}: {sorted(v)}' for s, v in by.items())}); speedups pair common seeds only")
 
 
-def _rows(tb: tables.Table, sched: str) -> dict[str, dict]:
-    return {r["experiment"]: r for r in tb.rows if r["schedule"] == sched}
+def _rows(tb: Table, sched: str) -> dict[str, dict]:
+    return {r["experiment"]: r for r in tb.records() if r["schedule"] == sched}
 
 
-def _ours(t: dict[str, tables.Table], spread: list[dict], runs: list[Run]) -> dict[str, str]:
+def _ours(t: dict[str, Table], spread: list[dict], res: Results) -> dict[str, str]:
     f, pm = tables.fmt, tables.pm
     sync, stream = _rows(t["step_time"], "sync"), _rows(t["step_time"], "stream")
     both = [e for e in sync if e in stream]
@@ -213,17 +197,17 @@ def _ours(t: dict[str, tables.Table], spread: list[dict], runs: list[Run]) -> di
                                   f"{f(b['spread'])}: {f(b['speedup_mean'])}x ({len(pts)} spreads)")
     o["balance"] = "; ".join(f"{e} (learner busy / makespan {f(stream[e]['balance_busy_over_makespan'])}): "
                              f"{f(stream[e]['speedup_mean'])}x" for e in both if stream[e]["speedup_mean"] is not None)
-    tt_sync, tt_stream = _rows(t["core_hours_to_target"], "sync"), _rows(t["core_hours_to_target"], "stream")
+    tt_sync, tt_stream = _rows(t["device_hours_to_target"], "sync"), _rows(t["device_hours_to_target"], "stream")
     o["target"] = "; ".join(
-        f"{e}: {f(tt_sync[e]['core_s_mean'] / 3600)} -> {f(tt_stream[e]['core_s_mean'] / 3600)} core-hours "
-        f"({f(tt_stream[e]['core_speedup_vs_sync'])}x), target {f(tt_sync[e]['target_reward'])} "
-        f"{tt_sync[e]['reward_key']}" for e in tt_sync
-        if e in tt_stream and tt_sync[e]["core_s_mean"] and tt_stream[e]["core_s_mean"])
+        f"{e}: {f(tt_sync[e]['device_s_mean'] / 3600)} -> {f(tt_stream[e]['device_s_mean'] / 3600)} device-hours "
+        f"({tt_stream[e]['device_kind']}; {f(tt_stream[e]['device_speedup_vs_sync'])}x), target "
+        f"{f(tt_sync[e]['target_reward'])} {tt_sync[e]['reward_key']}" for e in tt_sync
+        if e in tt_stream and tt_sync[e]["device_s_mean"] and tt_stream[e]["device_s_mean"])
     b_stream, b_async = _rows(t["reward_at_budget"], "stream"), _rows(t["reward_at_budget"], "async")
     o["budget"] = "; ".join(
         f"{e}: stream {f(b_stream[e]['reward_mean'])} vs async {f(b_async[e]['reward_mean'])} "
         f"({b_stream[e]['reward_mean'] - b_async[e]['reward_mean']:+.3g} {b_stream[e]['reward_key']}) at "
-        f"{f(b_stream[e]['budget_core_s'] / 3600)} core-hours" for e in b_stream
+        f"{f(b_stream[e]['budget_device_s'] / 3600)} device-hours ({b_stream[e]['device_kind']})" for e in b_stream
         if e in b_async and b_stream[e]["reward_mean"] is not None and b_async[e]["reward_mean"] is not None)
     m_sync, m_stream = _rows(t["memory"], "sync"), _rows(t["memory"], "stream")
     o["memory"] = "; ".join(
@@ -240,8 +224,9 @@ def _ours(t: dict[str, tables.Table], spread: list[dict], runs: list[Run]) -> di
     if x["step_rows"]:
         parts.append(f"step time: {f(x['step_mape'])} % over {x['step_rows']} rounds")
     o["predicted"] = "; ".join(parts)
-    stale = [v for r in runs if r.schedule == "stream" for v in r.series("staleness_max").values() if v is not None]
-    o["staleness"] = f"max staleness over {len(stale)} stream rounds: {f(max(stale))}" if stale else ""
+    rounds = res.rounds
+    stale = numeric(rounds, "staleness_max")[rounds["schedule"] == "stream"].dropna()
+    o["staleness"] = f"max staleness over {len(stale)} stream rounds: {f(float(stale.max()))}" if len(stale) else ""
     o["terminal"] = "not measured here: no Terminal Bench evaluation among these runs"
     o["efficiency"] = "not reproduced: the article does not define the metric"
     return o
@@ -255,12 +240,23 @@ CLAIMS = [("idle", "Learner idle share of step time, sync"), ("step", "Step time
           ("terminal", "Terminal Bench speedups"), ("efficiency", "Trainer efficiency")]
 
 
-def _report_md(opts: ReportOptions, runs: list[Run], t: dict[str, tables.Table], spread: list[dict],
-               fig_md: list[str], notes: list[str]) -> str:
-    ours = _ours(t, spread, runs) if runs else {}
-    models = sorted({str(m) for r in runs for m in [config_value(r.config, "model.name") or
-                                                    config_value(r.config, "model")] if isinstance(m, (str, int))})
+def setups(runs: list[Run]) -> list[tuple[str, int]]:
+    """Each distinct setup (devices, model, tasks, from the runs' own config.yaml) and how many runs had it."""
+    return Counter(r.setup.label for r in runs).most_common()
+
+
+def _report_md(opts: ReportOptions, res: Results, t: dict[str, Table], spread, fig_md: list[str],
+               notes: list[str]) -> str:
+    runs = res.runs
+    ours = _ours(t, records(spread), res) if runs else {}
     seeds = sorted({r.seed for r in runs})
+    ours_setups = setups(runs)
+    if len(ours_setups) == 1:
+        ours_label = ours_setups[0][0]
+        ours_lines = [f"- **ours** (every run's config.yaml): {ours_label}."]
+    else:
+        ours_label = f"{len(ours_setups)} setups, listed above" if ours_setups else "no runs"
+        ours_lines = ["- **ours** (each run's config.yaml):"] + [f"  - {n} run(s): {s}" for s, n in ours_setups]
     lines = [
         "# tsrl report", "",
         f"From `{opts.results_dir}`: {len(runs)} runs, {len({r.experiment for r in runs})} experiments, "
@@ -268,19 +264,21 @@ def _report_md(opts: ReportOptions, runs: list[Run], t: dict[str, tables.Table],
         + (" (partial runs included)" if opts.include_partial else " (runs without DONE skipped)") + ".", "",
         (f"- **paper**: {PAPER_SETUP}; 40 rounds, seeds 42, 43, 44 (numbers from the ThunderSyncRL technical "
          "report, 2026-10-05; not measured here)."),
-        f"- **ours**: {OURS_SETUP}" + (f" (models in config: {', '.join(models)})" if models else "")
-        + ". The two columns are different hardware, models and tasks: compare shapes and ratios, not seconds.",
+        *ours_lines,
+        ("- The two columns are different hardware, models and tasks: compare shapes and ratios, not seconds. "
+         "Device-hours are wall hours times the devices a run's processes held (its config's `devices`), in the "
+         "kind named (cpu or cuda); the paper's are GPU-hours."),
         (f"- Rounds 1-{opts.warmup} are warm-up and excluded; rounds {opts.warmup + 1}-{opts.last_round} are "
          "averaged per seed, then mean ± std [95 % t-interval] over seeds."), "",
         "## Claims beside the paper", "",
-        f"| claim | paper ({PAPER_SETUP}) | ours ({OURS_SETUP}) |", "|---|---|---|",
+        f"| claim | paper ({PAPER_SETUP}) | ours ({ours_label}) |", "|---|---|---|",
     ]
     for key, claim in CLAIMS:
         lines.append(f"| {claim} | {PAPER[key]} | {ours.get(key) or 'not measured: no runs with these inputs'} |")
     lines += ["", "## Tables", "", ("Each table's CSV (every column) is in `tables/`; the predicted-against-measured "
                                      "rows are in `tables/predicted_vs_measured_rows.csv` and "
                                      "`tables/predicted_speedup_rows.csv`."), ""]
-    lines += [to_markdown(tb) for tb in t.values()]
+    lines += [tb.markdown() for tb in t.values()]
     lines += ["## Figures", "", f"Spread axis: config key `{opts.spread_key}` (`--spread-key`).", ""]
     lines += [m + "\n" for m in fig_md] or ["No figure could be drawn.", ""]
     lines += ["## Notes", ""] + ([f"- {n}" for n in notes] or ["- none"]) + [""]

@@ -3,6 +3,9 @@
 A run is `<root>/<experiment>/<schedule>/seed<k>/` holding metrics.jsonl (+ events.jsonl,
 config.yaml, DONE). The experiment may be a nested path (`spread/sigma1`). Runs without DONE are
 partial: left out unless asked for, and listed either way.
+
+What comes out: the runs (with each run's setup, read from its own config.yaml) and one tidy frame
+of rounds, one row per (experiment, schedule, seed, round) with every metric as a column.
 """
 
 from __future__ import annotations
@@ -12,9 +15,34 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import yaml
 
+RUN = ["experiment", "schedule", "seed"]
 _SEED_DIR = re.compile(r"seed(-?\d+)$")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and on what a run ran, from its resolved config.yaml: the report's "ours" label.
+
+    devices: how many devices of `device_kind` the run's processes held while it ran, so that
+    device-seconds = wall seconds x devices. On cpu each process is one device (every worker runs one
+    OpenMP thread, tsrl_cli/processes.py); a CUDA device shared by two sides counts once.
+    """
+
+    device_kind: str | None  # "cuda" when any side ran on a GPU, else "cpu" (or "mps"); None: unknown
+    devices: int | None  # devices of that kind held; None when the config does not say
+    placement: str  # e.g. "rollout cpu, learner cpu:2"
+    model: str  # the policy the config names
+    tasks: str  # data.train, comma-joined
+
+    @property
+    def label(self) -> str:
+        """e.g. '2 cpu devices (rollout cpu, learner cpu); model builtin:toy; tasks builtin:echo'."""
+        where = f"{self.devices} {self.device_kind} device{'s' * (self.devices != 1)}" if self.devices else \
+            "devices unknown"
+        return f"{where} ({self.placement}); model {self.model}; tasks {self.tasks}"
 
 
 @dataclass
@@ -24,26 +52,29 @@ class Run:
     seed: int
     path: Path
     done: bool
-    rounds: dict[int, dict] = field(default_factory=dict)  # round -> merged metrics row
     config: dict = field(default_factory=dict)
-
-    @property
-    def objective(self) -> str | None:
-        return next((r.get("objective") for r in self.rounds.values() if r.get("objective")), None)
-
-    def series(self, key: str) -> dict[int, float | None]:
-        """round -> value of one metric (None where not measured)."""
-        return {k: _float(r.get(key)) for k, r in self.rounds.items()}
+    setup: Setup | None = None
 
     @property
     def events_path(self) -> Path:
         return self.path / "events.jsonl"
 
+    @property
+    def name(self) -> str:
+        return f"{self.experiment}/{self.schedule}/seed{self.seed}"
 
-def find_runs(root: str | Path, include_partial: bool = False) -> tuple[list[Run], list[str]]:
-    """Every run under root, sorted by (experiment, schedule, seed), and notes on what was left out."""
+
+@dataclass
+class Results:
+    runs: list[Run]  # sorted by (experiment, schedule, seed)
+    rounds: pd.DataFrame  # RUN + round + every metrics.jsonl key, plus device_s (wall_s x the run's devices)
+    notes: list[str]
+
+
+def load_results(root: str | Path, include_partial: bool = False) -> Results:
+    """Every run under root, its rounds as one frame, and notes on what was left out."""
     root = Path(root)
-    runs, notes = [], []
+    runs, records, notes = [], [], []
     for metrics in sorted(root.rglob("metrics.jsonl")):
         d = metrics.parent
         m = _SEED_DIR.match(d.name)
@@ -56,15 +87,83 @@ def find_runs(root: str | Path, include_partial: bool = False) -> tuple[list[Run
             notes.append(f"{d.relative_to(root)}: no DONE (unfinished run), skipped; --include-partial counts it")
             continue
         run = Run("/".join(rel[:-2]), rel[-2], int(m.group(1)), d, done)
-        run.rounds, bad = _merged_rounds(metrics)
+        rounds, bad = _merged_rounds(metrics)
         if bad:
             notes.append(f"{metrics.relative_to(root)}: {bad} unreadable line(s) ignored")
         run.config = _read_config(d / "config.yaml", notes)
+        run.setup = run_setup(run.config)
+        if run.setup.devices is None:
+            notes.append(f"{run.name}: {run.setup.placement}, so no device-hours")
         if not done:
-            notes.append(f"{d.relative_to(root)}: no DONE, counted as partial ({len(run.rounds)} rounds)")
+            notes.append(f"{d.relative_to(root)}: no DONE, counted as partial ({len(rounds)} rounds)")
         runs.append(run)
+        # the directory names the run: a row's own experiment/schedule/seed keys do not override it
+        records += [{"experiment": run.experiment, "schedule": run.schedule, "seed": run.seed, "round": k,
+                     "devices": run.setup.devices, **{c: v for c, v in row.items() if c not in RUN}}
+                    for k, row in rounds.items()]
     runs.sort(key=lambda r: (r.experiment, r.schedule, r.seed))
-    return runs, notes
+    frame = pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=[*RUN, "round", "devices"])
+    # device-seconds: the devices the run's processes held, times its wall time (cumulative, like wall_s)
+    frame["device_s"] = numeric(frame, "wall_s") * numeric(frame, "devices")
+    return Results(runs, frame.drop(columns="devices"), notes)
+
+
+def numeric(frame: pd.DataFrame, key: str) -> pd.Series:
+    """One column as float, NaN where a value is missing, not a number, or infinite."""
+    if key not in frame:
+        return pd.Series(float("nan"), index=frame.index, dtype="float64")
+    col = frame[key].map(lambda v: v if isinstance(v, (int, float, str)) else None)  # lists, dicts: no number
+    return pd.to_numeric(col, errors="coerce").astype("float64").replace([float("inf"), float("-inf")], float("nan"))
+
+
+def run_setup(config: dict) -> Setup:
+    """The run's devices, model and tasks as its resolved config names them."""
+    model = config_value(config, "model.policy") or config_value(config, "model.name") or config_value(config, "model")
+    model = str(model) if isinstance(model, (str, int)) else "unknown model"
+    train = config_value(config, "data.train")
+    tasks = ", ".join(map(str, train)) if isinstance(train, list) else str(train) if train else "unknown tasks"
+    dev = config.get("devices") if isinstance(config.get("devices"), dict) else None
+    if dev is None:
+        return Setup(None, None, "no devices in config.yaml", model, tasks)
+    remote = config_value(config, "rollout.engine") == "openai"  # rollouts served elsewhere (tsrl serve)
+    try:
+        rollout = [] if remote else device_list(dev.get("rollout", "cpu"))
+        learner = device_list(dev.get("learner", "cpu"))
+        teacher = []
+        if config.get("objective") == "opd":  # the teacher defaults to the rollout side's first device
+            teacher = device_list(dev["teacher"]) if dev.get("teacher") is not None else rollout[:1] or ["cpu"]
+    except ValueError as e:
+        return Setup(None, None, f"unreadable devices ({e})", model, tasks)
+    held = rollout + learner + teacher
+    gpus = {d for d in held if d.startswith("cuda")}
+    kind = "cuda" if gpus else "mps" if "mps" in held else "cpu"
+    n = len(gpus) if gpus else 1 if kind == "mps" else held.count("cpu")
+    teacher_part = f", teacher {teacher[0]}" if teacher else ""
+    placement = f"rollout {'remote' if remote else dev.get('rollout', 'cpu')}, learner {dev.get('learner', 'cpu')}"
+    return Setup(kind, n, placement + teacher_part, model, tasks)
+
+
+def device_list(spec) -> list[str]:
+    """A device spec as one name per process rank or replica: 'cpu:2' -> [cpu, cpu], '0-1' -> [cuda:0, cuda:1].
+
+    The grammar of tsrl_cli/devices.py (parse_devices), which imports torch; the report reads
+    configs without it.
+    """
+    s = str(spec).strip().lower()
+    if s in ("cpu", "mps"):
+        return [s]
+    if m := re.fullmatch(r"cpu:(\d+)", s):
+        return ["cpu"] * int(m[1])
+    out = []
+    for part in s.split(","):
+        part = part.strip()
+        if m := re.fullmatch(r"(?:cuda:)?(\d+)", part):
+            out.append(f"cuda:{int(m[1])}")
+        elif m := re.fullmatch(r"(\d+)-(\d+)", part):
+            out += [f"cuda:{i}" for i in range(int(m[1]), int(m[2]) + 1)]
+        else:
+            raise ValueError(f"{spec!r} is not a device list")
+    return out
 
 
 def config_value(config: dict, dotted: str):
@@ -109,28 +208,20 @@ def _merged_rounds(p: Path) -> tuple[dict[int, dict], int]:
     rows, bad = read_jsonl(p)
     out: dict[int, dict] = {}
     for row in rows:
-        if row.get("round") is None:
+        k = row.get("round")
+        if not isinstance(k, int) or isinstance(k, bool):
             bad += 1
             continue
-        merged = out.setdefault(int(row["round"]), {})
-        merged.update({k: v for k, v in row.items() if v is not None})
-    return out, bad
+        out.setdefault(k, {}).update({c: v for c, v in row.items() if v is not None and c != "round"})
+    return dict(sorted(out.items())), bad
 
 
 def _read_config(p: Path, notes: list[str]) -> dict:
     if not p.is_file():
         return {}
-
     try:
         cfg = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         notes.append(f"{p}: config.yaml unreadable ({type(e).__name__}), ignored")
         return {}
     return cfg if isinstance(cfg, dict) else {}
-
-
-def _float(v) -> float | None:
-    try:
-        return None if v is None else float(v)
-    except (TypeError, ValueError):
-        return None

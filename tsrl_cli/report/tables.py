@@ -1,33 +1,61 @@
-"""Runs -> tables (lists of row dicts, one per experiment x schedule unless said otherwise).
+"""Runs -> tables: pandas frames, one row per experiment x schedule unless said otherwise.
 
 Every number over seeds goes through report.aggregate (warm-up dropped, per-seed reduce, mean ±
-std and 95 % t-interval over seeds). Each Table carries the markdown columns it renders; its CSV is
-every key of its rows.
+std and 95 % t-interval over seeds). Each Table carries the markdown columns it renders; its CSV
+is every column of its frame. Rows come sync, stream, async within an experiment.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pandas as pd
+
 from tsrl_cli.errors import UsageError
 from tsrl_cli.predict import load_trace, predict_rounds
-from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS, aggregate, over_seeds, seed_value
-from tsrl_cli.report.load import Run, config_value, flat_config, read_jsonl
+from tsrl_cli.report.aggregate import CELL, LAST_ROUND, STATS, WARMUP_ROUNDS, aggregate, over_seeds, per_seed
+from tsrl_cli.report.load import RUN, Results, Run, config_value, flat_config, numeric, read_jsonl
 
 SCHEDULE_ORDER = {"sync": 0, "stream": 1, "async": 2}
 ROLLING_ROUNDS = 5  # the reward used for targets and budgets: mean of the last 5 rounds' reward
+MEMORY_KEYS = ("peak_mem_learner_bytes", "peak_mem_rollout_bytes", "accumulator_peak_bytes")
+PRED_COLUMNS = ["experiment", "schedule", "seed", "round", "measured_s", "predicted_s", "error_pct", "sync_s",
+                "stream_s", "async_s", "predicted_speedup", "ceiling", "makespan_s", "work_s", "learners"]
 
 
 @dataclass
 class Table:
     name: str
     title: str
-    rows: list[dict]
+    frame: pd.DataFrame
     md: list[tuple[str, Callable[[dict], str]]]
     note: str = ""  # definitions the reader needs (target, budget, window)
     extra: dict = field(default_factory=dict)  # summary numbers for REPORT.md
+
+    def records(self) -> list[dict]:
+        return records(self.frame)
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", ""]
+        if self.frame.empty:
+            return "\n".join(lines + ["No runs with these measurements.", ""])
+        shown = pd.DataFrame([[f(r) for _, f in self.md] for r in self.records()], columns=[h for h, _ in self.md])
+        lines.append(shown.to_markdown(index=False, disable_numparse=True))  # cells are already formatted
+        if self.note:
+            lines += ["", self.note]
+        return "\n".join(lines) + "\n"
+
+
+def records(frame: pd.DataFrame) -> list[dict]:
+    """Rows as dicts of Python values, NaN as None (what fmt and pm print as '–')."""
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()}
+            for r in frame.to_dict("records")]
+
+
+def to_csv(frame: pd.DataFrame) -> str:
+    return frame.to_csv(index=False, lineterminator="\n")
 
 
 # ---------------------------------------------------------------------------- formatting
@@ -59,173 +87,186 @@ def _key(row: dict) -> str:
     return f"{row['experiment']} · {row['schedule']}"
 
 
+def _ratio(a: pd.Series, b: pd.Series) -> pd.Series:
+    """a / b, NaN where b is 0 or missing (a ratio to nothing is not measured)."""
+    return a / b.where(b != 0)
+
+
 # ---------------------------------------------------------------------------- grouping
 
 
-def cells(runs: list[Run]) -> dict[tuple[str, str], list[Run]]:
-    """(experiment, schedule) -> runs (one per seed), sync first."""
-    out: dict[tuple[str, str], list[Run]] = {}
-    for r in sorted(runs, key=lambda r: (r.experiment, SCHEDULE_ORDER.get(r.schedule, 9), r.schedule, r.seed)):
-        out.setdefault((r.experiment, r.schedule), []).append(r)
-    return out
+def run_frame(res: Results) -> pd.DataFrame:
+    """One row per run in table order (experiment, sync-stream-async, seed): its objective (metrics,
+    else config) and device kind."""
+    obj = res.rounds.groupby(RUN)["objective"].first() if "objective" in res.rounds else pd.Series(dtype=object)
+
+    def objective(r: Run):
+        v = obj.get((r.experiment, r.schedule, r.seed))
+        return v if isinstance(v, str) else r.config.get("objective")
+
+    rows = [{"experiment": r.experiment, "schedule": r.schedule, "seed": r.seed, "objective": objective(r),
+             "device_kind": r.setup.device_kind, "devices": r.setup.devices,
+             "_order": (r.experiment, SCHEDULE_ORDER.get(r.schedule, 9), r.schedule, r.seed)} for r in res.runs]
+    if not rows:
+        return pd.DataFrame(columns=[*RUN, "objective", "device_kind", "devices"])
+    return pd.DataFrame(rows).sort_values("_order", kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def _base(exp: str, sched: str, rs: list[Run]) -> dict:
-    return {"experiment": exp, "schedule": sched, "objective": rs[0].objective,
-            "seeds": " ".join(str(r.seed) for r in rs), "n_seeds": len(rs)}
+def cells(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (experiment, schedule) in table order: objective, seeds ('42 43 44'), n_seeds (runs)."""
+    return runs.groupby(CELL, sort=False).agg(
+        objective=("objective", "first"), seeds=("seed", lambda s: " ".join(map(str, s))),
+        n_seeds=("seed", "size")).reset_index()
 
 
-def _agg(rs: list[Run], key: str, warmup: int, last_round: int, **kw):
-    return aggregate({r.seed: r.series(key) for r in rs}, warmup, last_round, **kw)
+def _join(base: pd.DataFrame, *parts: pd.DataFrame) -> pd.DataFrame:
+    for p in parts:
+        base = base.merge(p, on=[c for c in CELL if c in p], how="left")
+    return base
+
+
+def _stats(frame: pd.DataFrame, prefix: str) -> pd.DataFrame:
+    return frame[CELL + [f"{prefix}_{s}" for s in STATS]]
+
+
+def _of_sync(t: pd.DataFrame, col: str) -> pd.Series:
+    """Per row of t, `col` of its experiment's sync row (NaN when the experiment has none)."""
+    sync = t.loc[t["schedule"] == "sync", ["experiment", col]]
+    return t[["experiment"]].merge(sync, how="left")[col]
 
 
 # ---------------------------------------------------------------------------- the tables
 
 
-def step_time_table(runs: list[Run], warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
+def step_time_table(res: Results, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
     """Step time, speedup over sync (per seed: mean sync step / mean step, then over seeds), balance."""
-    groups = cells(runs)
-    rows = []
-    for (exp, sched), rs in groups.items():
-        st = _agg(rs, "step_time_s", warmup, last_round)
-        sync_by_seed = {r.seed: r for r in groups.get((exp, "sync"), [])}
-        ratios = []
-        for r in rs:
-            if r.seed in sync_by_seed:
-                a, _ = seed_value(sync_by_seed[r.seed].series("step_time_s"), warmup, last_round)
-                b, _ = seed_value(r.series("step_time_s"), warmup, last_round)
-                ratios.append(a / b if a is not None and b else None)
-        busy = _agg(rs, "learner_busy_s", warmup, last_round).mean
-        mk = _agg(rs, "rollout_makespan_s", warmup, last_round).mean
-        rows.append({**_base(exp, sched, rs), "rounds_per_seed": st.n_rounds, **st.as_row("step_time_s"),
-                     **over_seeds(ratios).as_row("speedup"),
-                     "learner_busy_s_mean": busy, "rollout_makespan_s_mean": mk,
-                     "balance_busy_over_makespan": busy / mk if busy is not None and mk else None})
+    runs, rounds = run_frame(res), res.rounds
+    st = aggregate(rounds, "step_time_s", warmup, last_round)
+    seeds = per_seed(rounds, "step_time_s", warmup, last_round)
+    sync = seeds.loc[seeds["schedule"] == "sync", ["experiment", "seed", "value"]]
+    pairs = seeds.merge(sync, on=["experiment", "seed"], suffixes=("", "_sync"))  # the same seed's sync run
+    speed = over_seeds(pairs.assign(speedup=_ratio(pairs["value_sync"], pairs["value"])), "speedup", prefix="speedup")
+    busy = aggregate(rounds, "learner_busy_s", warmup, last_round)[CELL + ["learner_busy_s_mean"]]
+    mk = aggregate(rounds, "rollout_makespan_s", warmup, last_round)[CELL + ["rollout_makespan_s_mean"]]
+    t = _join(cells(runs), st.assign(rounds_per_seed=st["n_rounds"])[CELL + ["rounds_per_seed"]],
+              _stats(st, "step_time_s"), _stats(speed, "speedup"), busy, mk)
+    t["rounds_per_seed"] = t["rounds_per_seed"].fillna(0).astype(int)
+    t["balance_busy_over_makespan"] = _ratio(t["learner_busy_s_mean"], t["rollout_makespan_s_mean"])
     md = [("experiment · schedule", _key), ("seeds", lambda r: r["seeds"]),
           ("rounds/seed", lambda r: str(r["rounds_per_seed"])),
           ("step time s", lambda r: pm(r, "step_time_s")),
           ("speedup vs sync", lambda r: pm(r, "speedup")),
           ("learner busy / rollout makespan", lambda r: fmt(r["balance_busy_over_makespan"]))]
-    return Table("step_time", "Step time and speedup", rows, md,
+    return Table("step_time", "Step time and speedup", t, md,
                  note=f"Rounds {warmup + 1}-{last_round} averaged per seed, then mean ± std [95 % t-interval] "
                       "over seeds. Speedup per seed = mean sync step time / mean step time, same seed.")
 
 
-def idle_table(runs: list[Run], warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
-    rows = [{**_base(e, s, rs), **_agg(rs, "learner_idle_frac", warmup, last_round).as_row("learner_idle_frac")}
-            for (e, s), rs in cells(runs).items()]
+def idle_table(res: Results, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
+    idle = aggregate(res.rounds, "learner_idle_frac", warmup, last_round)
     md = [("experiment · schedule", _key), ("seeds", lambda r: r["seeds"]),
           ("learner idle % of step time", lambda r: pm(r, "learner_idle_frac", scale=100))]
-    return Table("learner_idle", "Learner idle fraction", rows, md,
-                 note="1 - learner busy / step time, per round; rounds after the warm-up.")
+    return Table("learner_idle", "Learner idle fraction", _join(cells(run_frame(res)), _stats(idle, "learner_idle_frac")),
+                 md, note="1 - learner busy / step time, per round; rounds after the warm-up.")
 
 
-MEMORY_KEYS = ("peak_mem_learner_bytes", "peak_mem_rollout_bytes", "accumulator_peak_bytes")
-
-
-def memory_table(runs: list[Run], last_round: int = LAST_ROUND) -> Table:
+def memory_table(res: Results, last_round: int = LAST_ROUND) -> Table:
     """Peak bytes: the max over every round of a run (warm-up included: a peak is a peak), then over seeds."""
-    groups = cells(runs)
-    rows = []
-    for (exp, sched), rs in groups.items():
-        row = _base(exp, sched, rs)
-        for k in MEMORY_KEYS:
-            row.update(_agg(rs, k, 0, last_round, reduce=max).as_row(k))
-        sync = groups.get((exp, "sync"))
-        base = _agg(sync, "peak_mem_learner_bytes", 0, last_round, reduce=max).mean if sync else None
-        m = row["peak_mem_learner_bytes_mean"]
-        row["learner_peak_vs_sync"] = m / base if m is not None and base else None
-        rows.append(row)
+    peaks = {k: aggregate(res.rounds, k, 0, last_round, how="max") for k in MEMORY_KEYS}
+    t = _join(cells(run_frame(res)), *(_stats(p, k) for k, p in peaks.items()))
+    t["learner_peak_vs_sync"] = _ratio(t["peak_mem_learner_bytes_mean"], _of_sync(t, "peak_mem_learner_bytes_mean"))
     md = [("experiment · schedule", _key), ("seeds", lambda r: r["seeds"]),
           ("learner peak GB", lambda r: pm(r, "peak_mem_learner_bytes", 1e-9)),
           ("rollout peak GB", lambda r: pm(r, "peak_mem_rollout_bytes", 1e-9)),
           ("accumulator peak MB", lambda r: pm(r, "accumulator_peak_bytes", 1e-6)),
           ("learner peak / sync", lambda r: fmt(r["learner_peak_vs_sync"]))]
-    return Table("memory", "Peak memory", rows, md, note="Peak over all rounds of a run (GB = 1e9 bytes), then "
+    return Table("memory", "Peak memory", t, md, note="Peak over all rounds of a run (GB = 1e9 bytes), then "
                  "mean ± std [95 % t-interval] over seeds.")
 
 
-def rolling(series: dict[int, float | None], window: int = ROLLING_ROUNDS) -> dict[int, float]:
-    """round -> mean of the last `window` measured values up to that round (full windows only)."""
-    pts = [(r, v) for r, v in sorted(series.items()) if v is not None]
-    return {pts[i][0]: statistics.fmean(v for _, v in pts[i - window + 1:i + 1])
-            for i in range(window - 1, len(pts))}
+def rolling_reward(rounds: pd.DataFrame, reward_key: str, window: int = ROLLING_ROUNDS) -> pd.DataFrame:
+    """Per run and round: the mean of the last `window` measured rewards up to that round (full windows
+    only), beside that round's wall_s and device_s."""
+    r = rounds[[*RUN, "round"]].assign(value=numeric(rounds, reward_key), wall_s=numeric(rounds, "wall_s"),
+                                       device_s=rounds["device_s"])
+    r = r.dropna(subset=["value"]).sort_values([*RUN, "round"])
+    r["rolling"] = r.groupby(RUN, sort=False)["value"].transform(lambda s: s.rolling(window).mean())
+    return r.dropna(subset=["rolling"])
 
 
-def target_table(runs: list[Run], target: float | None = None, reward_key: str = "reward_mean",
+def _device_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per cell: the device kind(s) and count(s) its device-seconds are in ('cpu', '2')."""
+    def join(s):
+        return ", ".join(dict.fromkeys(str(int(v)) if isinstance(v, float) else str(v) for v in s.dropna())) or None
+    return runs.groupby(CELL, sort=False).agg(device_kind=("device_kind", join), devices=("devices", join)).reset_index()
+
+
+def _device_hours_header(t: pd.DataFrame) -> str:
+    kinds = sorted({k for v in t["device_kind"].dropna() for k in v.split(", ")})
+    return f"device-hours ({', '.join(kinds) or 'devices unknown'})"
+
+
+def target_table(res: Results, target: float | None = None, reward_key: str = "reward_mean",
                  window: int = ROLLING_ROUNDS) -> Table:
-    """Core-seconds (and wall seconds) until the rolling reward first reaches the target.
+    """Device-seconds (and wall seconds) until the rolling reward first reaches the target.
 
     Default target, per experiment: the highest rolling reward that every run reaches (the smallest
     of the runs' best), so every run has a time; it is stated in each row.
     """
-    rows = []
-    groups = cells(runs)
-    for exp in dict.fromkeys(e for e, _ in groups):
-        exp_runs = [r for (e, _), rs in groups.items() if e == exp for r in rs]
-        roll = {id(r): rolling(r.series(reward_key), window) for r in exp_runs}
-        t = target
-        if t is None:
-            bests = [max(v.values()) for v in roll.values() if v]
-            t = min(bests) if bests else None
-        for (e, sched), rs in groups.items():
-            if e != exp:
-                continue
-            core, wall, reached = [], [], 0
-            for r in rs:
-                hit = next((k for k, v in sorted(roll[id(r)].items()) if t is not None and v >= t), None)
-                reached += hit is not None
-                core.append(r.rounds[hit].get("core_s") if hit is not None else None)
-                wall.append(r.rounds[hit].get("wall_s") if hit is not None else None)
-            rows.append({**_base(exp, sched, rs), "target_reward": t, "reward_key": reward_key,
-                         "reached": reached, **over_seeds(core).as_row("core_s"), **over_seeds(wall).as_row("wall_s")})
-    by = {(r["experiment"], r["schedule"]): r for r in rows}
-    for r in rows:
-        s = by.get((r["experiment"], "sync"), {}).get("core_s_mean")
-        r["core_speedup_vs_sync"] = s / r["core_s_mean"] if s and r["core_s_mean"] else None
+    runs = run_frame(res)
+    roll = rolling_reward(res.rounds, reward_key, window)
+    base = cells(runs)
+    if target is None:
+        best = roll.groupby(RUN, sort=False)["rolling"].max().groupby("experiment").min()
+        base["target_reward"] = base["experiment"].map(best)
+    else:
+        base["target_reward"] = float(target)
+    reach = roll.merge(base[["experiment", "target_reward"]].drop_duplicates(), on="experiment")
+    hits = reach[reach["rolling"] >= reach["target_reward"]].groupby(RUN, sort=False).head(1)  # rows in round order
+    base["reward_key"] = reward_key
+    reached = hits.groupby(CELL, sort=False).size().reset_index(name="reached")
+    t = _join(base, reached, _device_columns(runs), _stats(over_seeds(hits, "device_s", prefix="device_s"), "device_s"),
+              _stats(over_seeds(hits, "wall_s", prefix="wall_s"), "wall_s"))
+    t["reached"] = t["reached"].fillna(0).astype(int)
+    t["device_speedup_vs_sync"] = _ratio(_of_sync(t, "device_s_mean"), t["device_s_mean"])
+    hours = _device_hours_header(t)
     md = [("experiment · schedule", _key), ("target", lambda r: fmt(r["target_reward"])),
           ("reached", lambda r: f"{r['reached']}/{r['n_seeds']}"),
-          ("core-hours", lambda r: pm(r, "core_s", 1 / 3600)), ("wall s", lambda r: pm(r, "wall_s")),
-          ("core-hours saved vs sync (x)", lambda r: fmt(r["core_speedup_vs_sync"]))]
+          (hours, lambda r: pm(r, "device_s", 1 / 3600)), ("wall s", lambda r: pm(r, "wall_s")),
+          (f"{hours} saved vs sync (x)", lambda r: fmt(r["device_speedup_vs_sync"]))]
     how = f"the given target {target}" if target is not None else \
         "per experiment, the highest rolling reward every run reaches"
-    return Table("core_hours_to_target", "Core-hours to a target reward", rows, md,
+    return Table("device_hours_to_target", "Device-hours to a target reward", t, md,
                  note=f"First round where the mean of the last {window} rounds' `{reward_key}` reaches the target "
-                      f"({how}); `core_s` there (process-seconds, the CPU analogue of GPU-seconds). "
-                      "Over seeds that reached it.")
+                      f"({how}); device-seconds there: the run's wall seconds times the devices its processes held "
+                      "(its config.yaml `devices`; on cpu one per process). Over seeds that reached it.")
 
 
-def budget_table(runs: list[Run], budget_core_s: float | None = None, reward_key: str = "reward_mean",
+def budget_table(res: Results, budget_device_s: float | None = None, reward_key: str = "reward_mean",
                  window: int = ROLLING_ROUNDS) -> Table:
-    """Rolling reward at the last round whose cumulative core_s is within the budget.
+    """Rolling reward at the last round whose cumulative device-seconds are within the budget.
 
-    Default budget, per experiment: the smallest final core_s over its runs (every run spent it).
+    Default budget, per experiment: the smallest final device_s over its runs (every run spent it).
     """
-    rows = []
-    groups = cells(runs)
-    for exp in dict.fromkeys(e for e, _ in groups):
-        exp_runs = [r for (e, _), rs in groups.items() if e == exp for r in rs]
-        b = budget_core_s
-        if b is None:
-            finals = [max(v for v in r.series("core_s").values() if v is not None)
-                      for r in exp_runs if any(v is not None for v in r.series("core_s").values())]
-            b = min(finals) if finals else None
-        for (e, sched), rs in groups.items():
-            if e != exp:
-                continue
-            vals = []
-            for r in rs:
-                roll, core = rolling(r.series(reward_key), window), r.series("core_s")
-                within = [k for k in roll if b is not None and core.get(k) is not None and core[k] <= b]
-                vals.append(roll[max(within)] if within else None)
-            rows.append({**_base(exp, sched, rs), "budget_core_s": b, "reward_key": reward_key,
-                         **over_seeds(vals).as_row("reward")})
-    md = [("experiment · schedule", _key), ("budget core-hours", lambda r: fmt(r["budget_core_s"] / 3600
-                                                                              if r["budget_core_s"] else None)),
+    runs = run_frame(res)
+    base = cells(runs)
+    if budget_device_s is None:
+        final = res.rounds.groupby(RUN, sort=False)["device_s"].max().dropna().groupby("experiment").min()
+        base["budget_device_s"] = base["experiment"].map(final)
+    else:
+        base["budget_device_s"] = float(budget_device_s)
+    roll = rolling_reward(res.rounds, reward_key, window).merge(
+        base[["experiment", "budget_device_s"]].drop_duplicates(), on="experiment")
+    at = roll[roll["device_s"] <= roll["budget_device_s"]].groupby(RUN, sort=False).tail(1)  # the last such round
+    base["reward_key"] = reward_key
+    t = _join(base, _device_columns(runs), _stats(over_seeds(at, "rolling", prefix="reward"), "reward"))
+    md = [("experiment · schedule", _key),
+          (f"budget {_device_hours_header(t)}", lambda r: fmt(r["budget_device_s"] / 3600
+                                                               if r["budget_device_s"] else None)),
           ("reward at budget", lambda r: pm(r, "reward"))]
-    how = f"{budget_core_s} core-s" if budget_core_s is not None else \
-        "per experiment, the smallest total core_s of its runs"
-    return Table("reward_at_budget", "Reward at a fixed compute budget", rows, md,
+    how = f"{budget_device_s} device-s" if budget_device_s is not None else \
+        "per experiment, the smallest total device_s of its runs"
+    return Table("reward_at_budget", "Reward at a fixed compute budget", t, md,
                  note=f"Mean of the last {window} rounds' `{reward_key}` at the last round within the budget "
                       f"({how}).")
 
@@ -234,17 +275,17 @@ def budget_table(runs: list[Run], budget_core_s: float | None = None, reward_key
 
 
 def prediction_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS,
-                    last_round: int = LAST_ROUND) -> tuple[list[dict], list[str]]:
+                    last_round: int = LAST_ROUND) -> tuple[pd.DataFrame, list[str]]:
     """One row per run and counted round: the event model on the run's own events against its step time."""
     rows, notes = [], []
     for run in runs:
         if not run.events_path.is_file():
-            notes.append(f"{run.experiment}/{run.schedule}/seed{run.seed}: no events.jsonl, no prediction")
+            notes.append(f"{run.name}: no events.jsonl, no prediction")
             continue
         try:
             trace = load_trace(run.path)
         except UsageError as e:
-            notes.append(f"{run.experiment}/{run.schedule}/seed{run.seed}: events unusable ({e})")
+            notes.append(f"{run.name}: events unusable ({e})")
             continue
         for p in predict_rounds(trace):
             if not warmup < p["round"] <= last_round:
@@ -254,12 +295,12 @@ def prediction_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS,
                          "error_pct": p.get("error_pct"), "sync_s": p["sync_s"], "stream_s": p["stream_s"],
                          "async_s": p["async_s"], "predicted_speedup": p["speedup"], "ceiling": p["ceiling"],
                          "makespan_s": p["makespan_s"], "work_s": p["work_s"], "learners": p["learners"]})
-    return rows, notes
+    return pd.DataFrame(rows, columns=PRED_COLUMNS), notes
 
 
-def paired_speedup_rows(pred: list[dict]) -> list[dict]:
+def paired_speedup_rows(pred: pd.DataFrame) -> pd.DataFrame:
     """Same experiment, seed and round under sync and stream: measured sync/stream step time against
-    the predicted speedup, two ways:
+    the predicted speedup, three ways:
 
     - `predicted_speedup` (both traces): the model's sync time from the sync run's trace (its batch
       backward shared out by tokens) over its stream time from the stream run's trace (per-item
@@ -273,52 +314,44 @@ def paired_speedup_rows(pred: list[dict]) -> list[dict]:
       predict before trying streaming. The same rounds hold the same trajectories under both schedules (exact
       streaming, same seed), so the comparison is like for like.
     """
-    idx = {(r["experiment"], r["schedule"], r["seed"], r["round"]): r for r in pred}
-    out = []
-    for (exp, sched, seed, rnd), r in idx.items():
-        s = idx.get((exp, "sync", seed, rnd))
-        if sched != "stream" or s is None or not s.get("measured_s") or not r.get("measured_s"):
-            continue
-        measured = s["measured_s"] / r["measured_s"]
-        both = s["sync_s"] / r["stream_s"] if r.get("stream_s") else None
-        single, from_sync = r["predicted_speedup"], s["predicted_speedup"]
+    on = ["experiment", "seed", "round"]
+    m = pred[pred["schedule"] == "stream"].merge(pred[pred["schedule"] == "sync"], on=on, suffixes=("", "_sync"))
+    m = m[m["measured_s"].fillna(0).ne(0) & m["measured_s_sync"].fillna(0).ne(0)]
+    measured = m["measured_s_sync"] / m["measured_s"]
 
-        def err(x):
-            return 100 * (x - measured) / measured if x is not None else None
+    def err(x):
+        return 100 * (x - measured) / measured
 
-        out.append({"experiment": exp, "seed": seed, "round": rnd, "measured_speedup": measured,
-                    "predicted_speedup": both, "error_pct": err(both),
-                    "predicted_speedup_stream_trace": single, "error_pct_stream_trace": err(single),
-                    "predicted_speedup_sync_trace": from_sync, "error_pct_sync_trace": err(from_sync)})
-    return out
+    both = _ratio(m["sync_s_sync"], m["stream_s"])
+    single, from_sync = m["predicted_speedup"], m["predicted_speedup_sync"]
+    return pd.DataFrame({"experiment": m["experiment"], "seed": m["seed"], "round": m["round"],
+                         "measured_speedup": measured, "predicted_speedup": both, "error_pct": err(both),
+                         "predicted_speedup_stream_trace": single, "error_pct_stream_trace": err(single),
+                         "predicted_speedup_sync_trace": from_sync, "error_pct_sync_trace": err(from_sync)}
+                        ).reset_index(drop=True)
 
 
-def prediction_table(pred: list[dict], paired: list[dict]) -> Table:
+def _mape(errors: pd.Series) -> float | None:
+    e = errors.dropna().abs()
+    return float(e.mean()) if len(e) else None
+
+
+def prediction_table(pred: pd.DataFrame, paired: pd.DataFrame) -> Table:
     """Summary per experiment · schedule (every row is in the CSVs): rows, mean |error|, mean error."""
-    rows = []
-    groups: dict[tuple[str, str], list[float]] = {}
-    for r in pred:
-        if r["error_pct"] is not None:
-            groups.setdefault((r["experiment"], r["schedule"]), []).append(r["error_pct"])
-    for r in paired:
-        if r["error_pct"] is not None:
-            groups.setdefault((r["experiment"], "speedup sync/stream"), []).append(r["error_pct"])
-    for (exp, what), errs in groups.items():
-        rows.append({"experiment": exp, "schedule": what, "rows": len(errs),
-                     "mean_abs_error_pct": statistics.fmean(abs(e) for e in errs),
-                     "mean_error_pct": statistics.fmean(errs)})
-    step_errs = [abs(r["error_pct"]) for r in pred if r["error_pct"] is not None]
-    pair_errs = [abs(r["error_pct"]) for r in paired if r["error_pct"] is not None]
-    single_errs = [abs(r["error_pct_stream_trace"]) for r in paired if r.get("error_pct_stream_trace") is not None]
-    sync_errs = [abs(r["error_pct_sync_trace"]) for r in paired if r.get("error_pct_sync_trace") is not None]
-    extra = {"step_rows": len(step_errs), "step_mape": statistics.fmean(step_errs) if step_errs else None,
-             "paired_rows": len(pair_errs), "paired_mape": statistics.fmean(pair_errs) if pair_errs else None,
-             "paired_mape_stream_trace": statistics.fmean(single_errs) if single_errs else None,
-             "paired_mape_sync_trace": statistics.fmean(sync_errs) if sync_errs else None}
+    def summary(frame: pd.DataFrame) -> pd.DataFrame:
+        f = frame.dropna(subset=["error_pct"]).assign(abs_error=lambda d: d["error_pct"].abs())
+        return f.groupby(CELL, sort=False).agg(rows=("error_pct", "size"), mean_abs_error_pct=("abs_error", "mean"),
+                                                mean_error_pct=("error_pct", "mean")).reset_index()
+
+    t = pd.concat([summary(pred), summary(paired.assign(schedule="speedup sync/stream"))], ignore_index=True)
+    extra = {"step_rows": int(pred["error_pct"].notna().sum()), "step_mape": _mape(pred["error_pct"]),
+             "paired_rows": int(paired["error_pct"].notna().sum()), "paired_mape": _mape(paired["error_pct"]),
+             "paired_mape_stream_trace": _mape(paired["error_pct_stream_trace"]),
+             "paired_mape_sync_trace": _mape(paired["error_pct_sync_trace"])}
     md = [("experiment · what", _key), ("rows", lambda r: str(r["rows"])),
           ("mean abs error %", lambda r: fmt(r["mean_abs_error_pct"])),
           ("mean error % (bias)", lambda r: fmt(r["mean_error_pct"]))]
-    return Table("predicted_vs_measured", "Predicted against measured", rows, md, extra=extra,
+    return Table("predicted_vs_measured", "Predicted against measured", t, md, extra=extra,
                  note=f"Step time: the event model (tsrl_cli.predict) on each run's events, under the run's own "
                       f"schedule, against its measured step_time_s: {extra['step_rows']} rows, mean abs error "
                       f"{fmt(extra['step_mape'])} %. Speedup: measured sync/stream step time of the same experiment, "
@@ -334,42 +367,37 @@ def prediction_table(pred: list[dict], paired: list[dict]) -> Table:
 # ---------------------------------------------------------------------------- figure data
 
 
-def spread_rows(runs: list[Run], steps: Table, pred: list[dict], key: str) -> tuple[list[dict], str | None]:
+def spread_rows(runs: list[Run], steps: Table, pred: pd.DataFrame, key: str) -> tuple[pd.DataFrame, str | None]:
     """Speedup against the experiment's spread value (config key, dotted); a note when unusable."""
     xs: dict[str, set] = {}
     for r in runs:
-        xs.setdefault(r.experiment, set()).add(_hashable(config_value(r.config, key)))
+        v = config_value(r.config, key)
+        xs.setdefault(r.experiment, set()).add(tuple(v) if isinstance(v, list) else v)
     usable = {e: next(iter(v)) for e, v in xs.items() if len(v) == 1 and isinstance(next(iter(v)), (int, float))
               and not isinstance(next(iter(v)), bool)}
     mixed = [e for e, v in xs.items() if len(v) > 1]
     if not usable:
-        varying = sorted({k for k in _varying_keys([flat_config(r.config) for r in runs])})
+        varying = sorted(_varying_keys([flat_config(r.config) for r in runs]))
         hint = f" Config keys that differ between runs: {', '.join(varying[:12])}." if varying else ""
-        return [], f"no experiment has a numeric `{key}` in its config.yaml (pass --spread-key).{hint}"
-    by_pred: dict[str, list[dict]] = {}
-    for p in pred:
-        if p["schedule"] == "stream":
-            by_pred.setdefault(p["experiment"], []).append(p)
-    rows = []
-    for s in steps.rows:
-        if s["experiment"] not in usable or s["schedule"] == "sync" or s["speedup_mean"] is None:
-            continue
-        ps = by_pred.get(s["experiment"], []) if s["schedule"] == "stream" else []
-        rows.append({"experiment": s["experiment"], "objective": s["objective"], "schedule": s["schedule"],
-                     "spread_key": key, "spread": usable[s["experiment"]], "n_seeds": s["n_seeds"],
-                     **{k: s[k] for k in ("speedup_mean", "speedup_std", "speedup_ci_low", "speedup_ci_high")},
-                     "predicted_speedup": statistics.fmean(p["sync_s"] for p in ps) / statistics.fmean(
-                         p["stream_s"] for p in ps) if ps else None,
-                     "ceiling_mean": statistics.fmean(p["ceiling"] for p in ps if p["ceiling"]) if ps else None})
-    rows.sort(key=lambda r: (r["objective"] or "", r["schedule"], r["spread"]))
-    if not rows:
-        return [], f"no experiment with a `{key}` value has sync runs of the same seeds to measure a speedup against"
+        return pd.DataFrame(), f"no experiment has a numeric `{key}` in its config.yaml (pass --spread-key).{hint}"
+    s = steps.frame
+    s = s[s["experiment"].isin(usable) & (s["schedule"] != "sync") & s["speedup_mean"].notna()]
+    stream = pred[pred["schedule"] == "stream"].assign(ceiling=lambda d: d["ceiling"].where(d["ceiling"] != 0))
+    model = stream.groupby("experiment").agg(sync_s=("sync_s", "mean"), stream_s=("stream_s", "mean"),
+                                             ceiling_mean=("ceiling", "mean"))
+    model["predicted_speedup"] = model["sync_s"] / model["stream_s"]
+    rows = s[["experiment", "objective", "schedule"]].assign(spread_key=key, spread=s["experiment"].map(usable),
+                                                             n_seeds=s["n_seeds"])
+    rows = pd.concat([rows, s[[f"speedup_{k}" for k in STATS]]], axis=1)
+    on_stream = rows["schedule"] == "stream"  # the model predicts stream against sync only
+    for c in ("predicted_speedup", "ceiling_mean"):
+        rows[c] = rows["experiment"].map(model[c]).where(on_stream)
+    rows = rows.assign(_obj=rows["objective"].fillna("")).sort_values(["_obj", "schedule", "spread"], kind="stable")
+    rows = rows.drop(columns="_obj").reset_index(drop=True)
+    if rows.empty:
+        return rows, f"no experiment with a `{key}` value has sync runs of the same seeds to measure a speedup against"
     note = f"experiments with several values of `{key}` left out: {', '.join(mixed)}" if mixed else None
     return rows, note
-
-
-def _hashable(v):
-    return tuple(v) if isinstance(v, list) else v
 
 
 def _varying_keys(flats: list[dict]) -> set[str]:
@@ -377,20 +405,17 @@ def _varying_keys(flats: list[dict]) -> set[str]:
     return {k for k in keys if len({repr(f.get(k)) for f in flats}) > 1 and not k.startswith("seed")}
 
 
-def reward_curve_rows(runs: list[Run], reward_key: str = "reward_mean") -> list[dict]:
+def reward_curve_rows(res: Results, reward_key: str = "reward_mean") -> pd.DataFrame:
     """Per experiment, schedule and round (warm-up included, it is part of the curve): mean, std over seeds."""
-    rows = []
-    for (exp, sched), rs in cells(runs).items():
-        rounds = sorted({k for r in rs for k in r.rounds})
-        for k in rounds:
-            s = over_seeds([r.series(reward_key).get(k) for r in rs])
-            if s.n_seeds:
-                rows.append({"experiment": exp, "schedule": sched, "round": k, "reward_key": reward_key,
-                             "mean": s.mean, "std": s.std, "n_seeds": s.n_seeds})
-    return rows
+    order = {(e, s): i for i, (e, s) in enumerate(cells(run_frame(res))[CELL].itertuples(index=False))}
+    r = res.rounds[[*CELL, "round"]].assign(value=numeric(res.rounds, reward_key))
+    r = r.assign(_cell=[order[k] for k in zip(r["experiment"], r["schedule"])]).sort_values(["_cell", "round"])
+    out = r.groupby([*CELL, "round"], sort=False)["value"].agg(mean="mean", std="std", n_seeds="count").reset_index()
+    out.insert(3, "reward_key", reward_key)
+    return out[out["n_seeds"] > 0].reset_index(drop=True)
 
 
-def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[list[dict], str]:
+def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[pd.DataFrame, str]:
     """One round of one seed under sync and under stream, from events.jsonl: arrival bars (round start
     to each item's arrival), learner bars (backward, step, weight sync) and the idle gaps between them.
 
@@ -398,10 +423,9 @@ def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[list[dict]
     after the warm-up (else the last round both have). Returns the rows and a one-line description
     (or why there is no figure).
     """
-    groups = cells(runs)
-    for exp in dict.fromkeys(e for e, _ in groups):
-        sync = {r.seed: r for r in groups.get((exp, "sync"), []) if r.events_path.is_file()}
-        stream = {r.seed: r for r in groups.get((exp, "stream"), []) if r.events_path.is_file()}
+    for exp in dict.fromkeys(r.experiment for r in runs):
+        sync = {r.seed: r for r in runs if (r.experiment, r.schedule) == (exp, "sync") and r.events_path.is_file()}
+        stream = {r.seed: r for r in runs if (r.experiment, r.schedule) == (exp, "stream") and r.events_path.is_file()}
         for seed in sorted(set(sync) & set(stream)):
             events = {s: read_jsonl(run.events_path)[0] for s, run in (("sync", sync[seed]), ("stream", stream[seed]))}
             common = set.intersection(*({int(e["round"]) for e in ev if e.get("event") == "item"}
@@ -411,8 +435,8 @@ def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[list[dict]
             after = sorted(k for k in common if k > warmup)
             rnd = after[0] if after else max(common)
             rows = [row for s, ev in events.items() for row in _round_bars(s, [e for e in ev if e.get("round") == rnd])]
-            return rows, f"{exp}, seed {seed}, round {rnd}"
-    return [], "no experiment has sync and stream runs of a common seed with events.jsonl"
+            return pd.DataFrame(rows), f"{exp}, seed {seed}, round {rnd}"
+    return pd.DataFrame(), "no experiment has sync and stream runs of a common seed with events.jsonl"
 
 
 def _round_bars(schedule: str, ev: list[dict]) -> list[dict]:

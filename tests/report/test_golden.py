@@ -1,0 +1,86 @@
+"""The pandas tables against the hand-written aggregation they replaced, and the committed report
+against a rebuild from its committed runs.
+
+tests/report/golden/<set>/ holds what the earlier report code (statistics.fmean / stdev over Python
+dicts, commit e4ebbcf) wrote for three inputs: the synthetic tree of conftest.results_tree
+(`synthetic`), the sync/stream/async tree of conftest.built_async (`synthetic_async`) and the
+committed runs of results/reports/spread_grpo_small/runs (`spread_grpo_small`). How they were made:
+tests/report/golden/README.md.
+"""
+
+import json
+import shutil
+
+import pytest
+from report_helpers import COMMITTED, REPO, claim_numbers, compare_folders, markdown_cells
+
+GOLDEN = REPO / "tests" / "report" / "golden"
+# what the device-hours change renamed: the earlier code's names -> today's (same numbers on these
+# runs: each held 2 cpu devices for its wall time, and its core_s counted its 2 processes)
+RENAMED = {"core_hours_to_target": "device_hours_to_target", "core_s_mean": "device_s_mean",
+           "core_s_std": "device_s_std", "core_s_ci_low": "device_s_ci_low", "core_s_ci_high": "device_s_ci_high",
+           "core_speedup_vs_sync": "device_speedup_vs_sync", "budget_core_s": "budget_device_s",
+           "core-hours": "device-hours (cpu)", "core-hours saved vs sync (x)": "device-hours (cpu) saved vs sync (x)",
+           "budget core-hours": "budget device-hours (cpu)"}
+SUMMARY = ("runs", "predicted_rows", "predicted_mean_abs_error_pct", "paired_rows",
+           "paired_mean_abs_error_pct", "paired_mean_abs_error_pct_sync_trace", "paired_mean_abs_error_pct_stream_trace")
+
+
+@pytest.fixture(params=["synthetic", "synthetic_async", "spread_grpo_small"])
+def case(request):
+    fixture = {"synthetic": "built", "synthetic_async": "built_async", "spread_grpo_small": "built_committed"}
+    out, doc = request.getfixturevalue(fixture[request.param])
+    return GOLDEN / request.param, out, doc
+
+
+def test_pandas_tables_equal_the_earlier_code(case):
+    gold, out, doc = case
+    bad, n = compare_folders(gold, out, RENAMED)
+    assert bad == [] and n > 900, bad[:10]  # 998 to 3,163 cells per set
+    ref = json.loads((gold / "result.json").read_text())
+    assert {k: doc[k] for k in SUMMARY} == pytest.approx({k: ref[k] for k in SUMMARY}, rel=1e-9)
+    assert (doc["experiments"], doc["notes"]) == (ref["experiments"], ref["notes"])
+    # REPORT.md's claims: the same numbers in the "ours" column, claim by claim
+    assert claim_numbers((out / "REPORT.md").read_text()) == claim_numbers((gold / "REPORT.md").read_text())
+
+
+def test_the_comparison_sees_a_changed_number(built, tmp_path):
+    """Positive control: one speedup moved in its 4th significant digit, one cell of a markdown table."""
+    out, _ = built
+    shutil.copytree(out, tmp_path / "r")
+    p = tmp_path / "r" / "tables" / "step_time.csv"
+    lines = p.read_text().splitlines()
+    cells = lines[2].split(",")
+    i = lines[0].split(",").index("speedup_mean")
+    cells[i] = repr(float(cells[i]) * 1.0001)
+    p.write_text("\n".join([*lines[:2], ",".join(cells), *lines[3:]]) + "\n")
+    md = tmp_path / "r" / "tables" / "memory.md"
+    md.write_text(md.read_text().replace("1.05", "1.06", 1))
+    bad, _ = compare_folders(GOLDEN / "synthetic", tmp_path / "r", RENAMED)
+    assert any("step_time.csv row 1 speedup_mean" in b for b in bad)
+    assert "tables/memory.md: markdown cells differ" in bad
+
+
+def test_committed_report_regenerates_from_committed_runs(built_committed):
+    """`tsrl report results/reports/spread_grpo_small/runs --out results/reports/spread_grpo_small`
+    gives the committed tables, figure data and REPORT.md (the PNGs are not compared: matplotlib's
+    rendering differs between versions)."""
+    out, doc = built_committed
+    committed = REPO / COMMITTED
+    names = {p.relative_to(committed) for p in committed.glob("*/*.csv")} | {p.relative_to(committed)
+                                                                             for p in committed.glob("tables/*.md")}
+    assert names == {p.relative_to(out) for p in out.glob("*/*.csv")} | {p.relative_to(out)
+                                                                         for p in out.glob("tables/*.md")}
+    bad, n = compare_folders(committed, out)
+    assert bad == [] and n > 3000, bad[:10]
+    assert (out / "REPORT.md").read_text() == (committed / "REPORT.md").read_text()
+    assert doc["runs"] == 12 and doc["paired_rows"] == 24
+
+
+def test_committed_report_names_its_setup_from_the_runs(built_committed):
+    out, _ = built_committed
+    md = (out / "REPORT.md").read_text()
+    label = "2 cpu devices (rollout cpu, learner cpu); model builtin:toy:h64:l2; tasks builtin:echo"
+    assert f"| claim | paper (one node of 8 B200 GPUs, Qwen-3.8-27B, SWE-smith / SETA-Env tasks) | ours ({label}) |" in md
+    (header, *_) = markdown_cells((out / "tables" / "device_hours_to_target.md").read_text())
+    assert "device-hours (cpu)" in header and "GPU" not in md.split("## Tables")[1]
