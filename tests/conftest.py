@@ -30,6 +30,27 @@ def _no_isolation() -> str:
 
 
 @pytest.fixture(scope="session")
+def docker_base_image():
+    """The local base image's tag (tsrl_cli/sandbox/images.py), built on first use (about a minute cold).
+
+    Skips, with the reason, where no Docker daemon answers; with TSRL_REQUIRE_DOCKER=1 (CI, which
+    starts a daemon) that is a failure instead, so the Docker tests cannot pass by being skipped.
+    """
+    import os
+
+    from tsrl_cli.sandbox.docker import docker_unavailable_reason
+
+    reason = docker_unavailable_reason()
+    if reason:
+        if os.environ.get("TSRL_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"TSRL_REQUIRE_DOCKER=1 but {reason}")
+        pytest.skip(f"docker: {reason}")
+    from tsrl_cli.sandbox.images import ensure_base_image
+
+    return ensure_base_image()
+
+
+@pytest.fixture(scope="session")
 def tiny64():
     from tsrl_cli.policy import build_tiny_model
 

@@ -80,12 +80,40 @@ def test_no_docker_exit_2_before_any_model(ds, no_docker, extra):
     assert "resolved" not in res.stdout and res.stdout == ""  # no score, nothing on stdout
 
 
-def test_grade_only_without_docker_exit_2(tmp_path, no_docker):
+def test_grade_only_without_docker_exit_2(ds, tmp_path, no_docker):
     preds = tmp_path / "preds.jsonl"
     preds.write_text(json.dumps({"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/x b/x\n"}) + "\n")
-    res = CliRunner().invoke(app, ["eval", "swebench", "--grade-only", str(preds), "--harness-dataset", "x.jsonl",
-                                   "--out", str(tmp_path / "out"), "--json"])
+    write_jsonl_atomic(tmp_path / "rows.jsonl", [row(ds)])
+    res = CliRunner().invoke(app, ["eval", "swebench", "--grade-only", str(preds), "--harness-dataset",
+                                   str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--agent", "oracle", "--dataset", "/nonexistent/swebench_local"],
+     "/nonexistent/swebench_local: no such dataset"),
+    (["--agent", "oracle", "--instances", "nope__nope-1"], "--instances: nope__nope-1 not in"),
+    (["--agent", "oracle", "--model", "some/model"], "--agent oracle needs no model: drop --model some/model"),
+    (["--agent", "bogus"], "--agent 'bogus': use one of policy, oracle, nop"),
+    ([], "--model DIR_OR_ID is required"),
+    (["--grade-only", "PREDS", "--harness-dataset", "/nonexistent/rows.jsonl"], "/nonexistent/rows.jsonl: no such file"),
+    (["--grade-only", "PREDS", "--dataset", "/nonexistent/swebench_local"], "/nonexistent/swebench_local: no such dataset"),
+    (["--grade-only", "PREDS_UNKNOWN"], "instance nope__nope-1 is not in"),
+])
+def test_bad_input_is_one_line_exit_2_before_docker(ds, tmp_path, no_docker, args, message):
+    """Each refusal names the place and the fix, in one line, before Docker or a model is needed."""
+    for name, iid in (("PREDS", IID), ("PREDS_UNKNOWN", "nope__nope-1")):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"instance_id": iid, "model_name_or_path": "m",
+                                                            "model_patch": ""}) + "\n")
+    args = [str(tmp_path / f"{a}.jsonl") if a.startswith("PREDS") else a for a in args]
+    if "--dataset" not in args:
+        args += ["--dataset", str(ds)]
+    res = CliRunner().invoke(app, ["eval", "swebench", *args, "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and "needs Docker" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
+    if "no such dataset" in message:
+        assert "tsrl prepare-data swebench-local" in res.stderr  # the fix
 
 
 def test_rows_without_5x_columns_refused_before_docker(ds, no_docker):
@@ -211,7 +239,8 @@ class FakeSandbox:
 
     def run(self, command, timeout_s, mounts=None):
         self.commands.append(command)
-        return ExecResult("diff --git a/f b/f\n", "", 0, 0.1)
+        out = "f\0\0TSRL-DIFF\0diff --git a/f b/f\n" if "git diff --cached" in command else "ok\n"
+        return ExecResult(out, "", 0, 0.1)
 
     def close(self):
         pass
@@ -227,7 +256,8 @@ def test_env_runs_in_testbed_and_collects_the_diff(ds):
     assert out.exit_code == 0 and env.sandbox.commands[0].startswith("cd /testbed && ")
     assert env.sandbox.commands[0].endswith("\nls") and "activate testbed" in env.sandbox.commands[0]
     assert asyncio.run(env.patch()) == "diff --git a/f b/f\n"
-    assert env.sandbox.commands[1].endswith(f"git add -A && git diff --cached --no-color {task.base_ref}")
+    assert env.sandbox.commands[1].startswith("cd /testbed && ") and "git add -A && " in env.sandbox.commands[1]
+    assert env.sandbox.commands[1].endswith(f"git diff --cached --no-renames --binary --no-color {task.base_ref}")
     rew = asyncio.run(env.reward())
     assert rew.details == {"graded": False}
     assert "The repository is in the current directory" in env.instruction and env.image == task.image

@@ -59,9 +59,9 @@ def test_docker_executor_without_daemon_exit_2(tbds, monkeypatch):
     monkeypatch.setattr(tb, "load_engine", lambda *a, **k: pytest.fail("model loaded without Docker"))
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m", "--instances", "hello-world"])
     assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""
-    # tasks that ship only a Dockerfile: the docker executor does not build images, and says so first
-    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m"])
-    assert res.exit_code == 2 and "no prebuilt docker_image" in res.stderr and "--via-harbor" in res.stderr
+    # tasks that ship only a Dockerfile are built, which needs the daemon too: refused before any build
+    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--agent", "oracle"])
+    assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""
 
 
 def test_via_harbor_needs_harbor_on_path(tbds, monkeypatch, tmp_path):

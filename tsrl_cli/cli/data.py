@@ -16,7 +16,7 @@ data_app = typer.Typer(
 )
 
 def prepare_data(
-    source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | embedded.")],
+    source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | embedded | swebench-local (a small SWE-bench-format set built here, images included; needs Docker).")],
     *,
     from_: Annotated[str, typer.Option("--from", help="`hub` (needs network and `pip install 'tsrl\\[hub]'`) or a local parquet/jsonl/json file or folder.")] = "hub",
     out: Annotated[str | None, typer.Option(help="Output folder (default data/<source>, dashes as underscores).")] = None,
@@ -43,6 +43,8 @@ def prepare_data(
 
     if source == "embedded":
         return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_out)
+    if source == "swebench-local":
+        return _prepare_swebench_local(out or "data/swebench_local", seed, json_out)
     with cli_errors():
         from tsrl_cli.datasets.prepare import PrepareOptions, prepare
 
@@ -82,6 +84,26 @@ def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = T
         console.print(f"default policy: {pol['out']}/student and /teacher ({pol['params']:,} parameters each), {state}",
                       highlight=False, soft_wrap=True)
     console.print(f"embedded suite built and prepared in {res['seconds']} s", highlight=False)
+
+
+def _prepare_swebench_local(out: str, seed: int, json_out: bool) -> None:
+    """Build the local SWE-bench-format set and its images, then prepare it (tsrl_cli/embedded/swebench_set.py)."""
+    from tsrl_cli.console import console, progress_printer
+
+    with cli_errors():
+        from tsrl_cli.embedded.swebench_set import prepare_swebench_local
+
+        res = prepare_swebench_local(out, seed, progress=progress_printer(not json_out))
+    if json_out:
+        typer.echo(json.dumps(res))
+        return
+    _render_prepare(console, res["prepare"])
+    b = res["build"]
+    state = "kept (already built from the same sources)" if b["unchanged"] else f"built in {b['seconds']['total']} s"
+    console.print(f"{len(b['images'])} instance images on this machine ({', '.join(b['images'].values())}); "
+                  f"{state}. Check the grader: tsrl eval swebench --dataset {out} "
+                  f"--grade-only {b['controls']['gold']} (all resolved; empty.jsonl and break_p2p.jsonl: none)",
+                  highlight=False, soft_wrap=True)
 
 
 def _render_prepare(console, res: dict) -> None:

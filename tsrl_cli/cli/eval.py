@@ -61,13 +61,15 @@ def embedded(
 @eval_app.command(
     "swebench",
     epilog="Examples:  tsrl eval swebench --model ./ckpt --instances django__django-11099  ·  "
-           "tsrl eval swebench --model Qwen/Qwen3-8B --workers 8  ·  tsrl eval swebench --grade-only preds.jsonl",
+           "tsrl eval swebench --model Qwen/Qwen3-8B --workers 8  ·  tsrl eval swebench --grade-only preds.jsonl  ·  "
+           "tsrl eval swebench --dataset data/swebench_local --agent oracle",
 )
 def swebench(
     *,
-    model: Annotated[str | None, typer.Option(help="Policy directory or hub id (required unless --grade-only).")] = None,
+    model: Annotated[str | None, typer.Option(help="Policy directory or hub id (required with --agent policy, unless --grade-only).")] = None,
+    agent: Annotated[str, typer.Option(help="policy (the model), oracle (applies each gold patch) or nop (changes nothing): the last two are controls that need no model.")] = "policy",
     engine: Annotated[str, typer.Option(help="vllm (GPU) or hf (transformers).")] = "vllm",
-    dataset: Annotated[str, typer.Option(help="Prepared SWE-bench set (tsrl prepare-data swebench-verified).")] = "data/swebench_verified",
+    dataset: Annotated[str, typer.Option(help="Prepared SWE-bench set (tsrl prepare-data swebench-verified, or swebench-local).")] = "data/swebench_verified",
     instances: Annotated[list[str] | None, typer.Option(help="Instance ids, comma-separated or repeated (default: all).")] = None,
     workers: Annotated[int, typer.Option(help="Containers at once, for the rollouts and for the harness.")] = 4,
     temperature: TempOpt = 0.0,
@@ -89,7 +91,7 @@ def swebench(
     with cli_errors():
         res = run_swebench(model, engine=engine, dataset=dataset, instances=_split(instances), workers=workers,
                            temperature=temperature, max_turns=max_turns, out_dir=out, grade_only=grade_only,
-                           harness_dataset=harness_dataset, no_grade=no_grade, timeout_s=timeout_s,
+                           harness_dataset=harness_dataset, no_grade=no_grade, timeout_s=timeout_s, agent=agent,
                            progress=progress_printer(not json_out))
     _emit(res, json_out)
 
@@ -118,6 +120,8 @@ def tbench(
     served_model_name: Annotated[str, typer.Option(help="--via-harbor: the model name the server serves (vllm serve --served-model-name).")] = "tsrl-policy",
     harbor_agent: Annotated[str, typer.Option(help="--via-harbor: harbor's agent.")] = "terminus-2",
     harbor_env: Annotated[str, typer.Option(help="--via-harbor: harbor's environment (docker, daytona, modal, e2b, ...).")] = "docker",
+    agent: Annotated[str, typer.Option(help="policy (the model), oracle (each task's solution/solve.sh) or nop (no action): Harbor's controls.")] = "policy",
+    base_image: Annotated[list[str] | None, typer.Option(help="FROM=LOCAL: build Dockerfiles whose FROM is FROM from the local image LOCAL (repeatable; printed and recorded in config.json).")] = None,
     out: OutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -135,11 +139,13 @@ def tbench(
                                  env=harbor_env, workers=workers, limit=limit, instances=_split(instances), out_dir=out)
         else:
             from tsrl_cli.evals.tbench import run_tbench
+            from tsrl_cli.sandbox.images import parse_base_images
 
             res = run_tbench(model, dataset=dataset, executor=executor, engine=engine, samples=samples,
                              seeds=tuple(seed or (0,)), temperature=temperature, max_turns=max_turns, limit=limit,
                              instances=_split(instances), out_dir=out, workers=workers,
-                             progress=progress_printer(not json_out))
+                             progress=progress_printer(not json_out), agent=agent,
+                             base_images=parse_base_images(base_image or []))
     if via_harbor:
         if json_out:
             typer.echo(json.dumps(res))

@@ -22,6 +22,7 @@ from pathlib import Path
 from tsrl_cli.agent.loop import RewardResult
 from tsrl_cli.agent.rewards import parse_pytest_log, read_reward_file
 from tsrl_cli.envs.base import SandboxEnv
+from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox import Limits, Mount, open_sandbox
 from tsrl_cli.sandbox.base import remove_tree
 
@@ -71,6 +72,19 @@ class TerminalEnv(SandboxEnv):
             return RewardResult(0.0, f"verifier error: {type(e).__name__}: {e}")
         finally:
             remove_tree(logs)
+
+    async def play_oracle(self) -> None:
+        """Run the task's reference solution where the agent works (Harbor's `oracle` agent):
+        solution/ mounted at /solution, `bash /solution/solve.sh` (TB 1.x: the task's solution.sh)."""
+        if not self.task.solution_script or not self.task.solution_script.endswith(".sh"):
+            raise UsageError(f"task {self.task_id}: no solution script to play (oracle agent)")
+        sol = self.task_dir / self.task.solution_script
+        mounts = [Mount(str(sol.parent), "/solution", True)]
+        res = await asyncio.to_thread(self.exec, f"bash /solution/{shlex.quote(sol.name)}",
+                                      self.task.agent_timeout_s or DEFAULT_VERIFIER_TIMEOUT_S, mounts)
+        if res.exit_code != 0 or res.limit:
+            raise RuntimeError(f"task {self.task_id}: the solution failed (exit {res.exit_code}, limit {res.limit}): "
+                               f"{res.stderr.strip()[-200:]}")
 
     def _verify(self, logs: Path) -> RewardResult:
         tests = self.task_dir / "tests"

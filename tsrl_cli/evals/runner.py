@@ -44,6 +44,7 @@ RECORDS, SUMMARY, CONFIG = "records.jsonl", "summary.json", "config.json"
 # Settings that change what a record means: a resumed run must use the same ones.
 CONFIG_KEYS = ("model", "model_sha256", "engine", "temperature", "top_p", "limits", "executor", "label")
 DEFAULT_LIMITS = AgentLimits()  # the limits the embedded policy is trained with
+AGENTS = ("policy", "oracle", "nop")  # the model; the task's reference solution; no action (Harbor's names)
 
 
 @dataclass(frozen=True)
@@ -171,18 +172,24 @@ def run_jobs(
     max_batch: int = 16,
     log: RecordLog | None = None,
     progress: Callable[[str], None] | None = None,
+    agent: str = "policy",
 ) -> list[dict]:
     """Run every job that has no record yet; return the records of all `jobs`, in job order.
 
     `engine` is any PolicyEngine (hf, vllm, scripted); one TurnBatcher serves all sessions.
+    `agent`: "policy" (the engine plays), or the controls Harbor names: "oracle" (the env's
+    `play_oracle()`: the task's reference solution) and "nop" (nothing); engine and tokenizer may be
+    None for those. The reward and the patch come from the same env code in every case.
     An environment that cannot start with a UsageError (no isolation, no image) stops the run.
     Any other environment failure is recorded with `error: true` and is retried on resume.
     """
     previous = {record_key(r): r for r in (log.load() if log else [])}
     todo = [j for j in jobs if j.key not in previous or previous[j.key].get("error")]
     results: dict[tuple, dict] = {j.key: previous[j.key] for j in jobs if j.key in previous}
+    if agent not in AGENTS:
+        raise UsageError(f"--agent {agent!r}: use one of {', '.join(AGENTS)}")
     limits_for = limits if callable(limits) else (lambda job: limits)
-    renderer = ChatMLRenderer(tokenizer)
+    renderer = ChatMLRenderer(tokenizer) if agent == "policy" else None
 
     def report() -> None:
         if progress is None:
@@ -203,11 +210,22 @@ def run_jobs(
                    "kind": job.task.kind, "patch": None, "error": False}
             try:
                 await env.start()
-                res = await run_agent(
-                    env, batcher.generate, renderer, group_id=job.task.task_id, sample_index=job.sample,
-                    sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=job.seed),
-                    limits=limits_for(job), seed_key=("eval", job.dataset, job.task.task_id, job.sample),
-                )
+                if agent == "policy":
+                    res = await run_agent(
+                        env, batcher.generate, renderer, group_id=job.task.task_id, sample_index=job.sample,
+                        sampling=SamplingParams(temperature=temperature, top_p=top_p, seed=job.seed),
+                        limits=limits_for(job), seed_key=("eval", job.dataset, job.task.task_id, job.sample),
+                    )
+                    reward, exit_reason = res.reward, res.exit_reason
+                    played = {"turns": res.num_turns, "tokens": len(res.rollout.input_ids),
+                              "loss_tokens": sum(res.rollout.loss_mask),
+                              "tool_s": round(sum(e["duration_s"] for e in res.events if e["event"] == "tool"), 3)}
+                else:  # a control: the reference solution or nothing, scored by the same env code
+                    c0 = time.monotonic()
+                    if agent == "oracle":
+                        await env.play_oracle()
+                    played = {"turns": 0, "tokens": 0, "loss_tokens": 0, "tool_s": round(time.monotonic() - c0, 3)}
+                    reward, exit_reason = await env.reward(), agent
                 if collect_patch is not None:
                     rec["patch"] = await collect_patch(env, job)
             except UsageError:
@@ -216,14 +234,13 @@ def run_jobs(
                 rec.update(reward=None, resolved=False, turns=0, tokens=0, loss_tokens=0, tool_s=0.0, error=True,
                            exit_reason="env_error", reward_reason="", failure=f"env_error: {type(e).__name__}: {e}")
             else:
-                graded = res.reward.details.get("graded", True)
-                resolved = bool(res.reward.details.get("resolved", res.reward.reward >= 1.0)) if graded else None
+                graded = reward.details.get("graded", True)
+                resolved = bool(reward.details.get("resolved", reward.reward >= 1.0)) if graded else None
                 rec.update(
-                    reward=float(res.reward.reward) if graded else None, resolved=resolved, turns=res.num_turns,
-                    tokens=len(res.rollout.input_ids), loss_tokens=sum(res.rollout.loss_mask),
-                    tool_s=round(sum(e["duration_s"] for e in res.events if e["event"] == "tool"), 3),
-                    exit_reason=res.exit_reason, reward_reason=res.reward.reason,
-                    failure=_failure(res.exit_reason, resolved, res.reward.reason) if graded else None,
+                    reward=float(reward.reward) if graded else None, resolved=resolved, **played,
+                    exit_reason=exit_reason, reward_reason=reward.reason,
+                    failure=(_failure("submitted" if agent != "policy" else exit_reason, resolved, reward.reason)
+                             if graded else None),
                 )
             finally:
                 await env.close()
@@ -234,12 +251,13 @@ def run_jobs(
         report()
 
     async def main() -> None:
-        batcher = TurnBatcher(engine, max_batch=max_batch)
+        batcher = TurnBatcher(engine, max_batch=max_batch) if agent == "policy" else None
         try:
             sem = asyncio.Semaphore(concurrency)
             await asyncio.gather(*(one(j, batcher, sem) for j in todo))
         finally:
-            batcher.close()
+            if batcher is not None:
+                batcher.close()
 
     report()
     if todo:

@@ -6,11 +6,16 @@ Steps, each checked before the next costs anything:
   2. Docker: the docker CLI answers `docker version` and the Python SDK pings the daemon, else one
      line and exit 2, before any model is loaded;
   3. the swebench package (`pip install -e '.[swebench]'`, major 5);
-  4. rollouts: run_agent in a container of the instance's image (sandbox docker executor), commands
-     run in /testbed with the image's conda env `testbed`; the final diff is `git add -A && git diff
-     --cached <base_commit>` there (what mini-swe-agent submits);
-  5. predictions.jsonl in SWE-bench's format: instance_id, model_name_or_path, model_patch;
-  6. grading: `python -m swebench.harness.run_evaluation` in the output folder (its logs go to
+  4. images: every instance's image must already be on this machine (`docker pull`, or
+     `tsrl prepare-data swebench-local` for the local set): nothing is pulled, by the rollouts or by
+     the harness, so both run the same image;
+  5. rollouts: `--agent policy` runs run_agent in a container of the instance's image (RepairEnv's
+     docker executor), commands in /testbed with the image's conda env `testbed` where it has one;
+     `--agent oracle` applies the gold patch there instead, `--agent nop` changes nothing (controls
+     that need no model). The final diff is `git add -A && git diff --cached --binary <start commit>`
+     (the image's HEAD: base_commit plus the harness's setup commit; what mini-swe-agent submits);
+  6. predictions.jsonl in SWE-bench's format: instance_id, model_name_or_path, model_patch;
+  7. grading: `python -m swebench.harness.run_evaluation` in the output folder (its logs go to
      <out>/logs/run_evaluation/<run_id>/), then its report is read. Only a score the harness
      graded is ever printed.
 
@@ -19,6 +24,7 @@ swebench 5.x grades from the rows themselves: each needs `image`, `eval_script`,
 columns (`princeton-nlp/SWE-bench_Verified`) cannot be graded by 5.x: pass --harness-dataset with a
 dataset the harness can read (a hub id, or a .jsonl/.parquet of 5.x rows) in that case.
 `grade_test_log` grades a saved test log through the harness's own parser without Docker.
+The harness removes its containers after each instance, never the instance images.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits, RewardResult
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.envs.base import SandboxEnv
-from tsrl_cli.envs.repair import INSTRUCTION
+from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.runner import (
+    AGENTS,
     SUMMARY,
     RecordLog,
     load_engine,
@@ -55,9 +61,9 @@ from tsrl_cli.sandbox import Limits
 HARNESS_MAJOR = 5
 PREDICTIONS = "predictions.jsonl"
 HARNESS_ROWS = "harness_dataset.jsonl"
-TESTBED = "/testbed"
-# SWE-bench images: the repository at /testbed, its environment in conda env `testbed`
-PRELUDE = f"cd {TESTBED} && if [ -f /opt/miniconda3/bin/activate ]; then . /opt/miniconda3/bin/activate testbed >/dev/null 2>&1; fi\n"
+
+DATASET_HINT = ("prepare one with `tsrl prepare-data swebench-verified --from PATH` or build the local set with "
+                "`tsrl prepare-data swebench-local`")
 V5_COLUMNS = ("image", "eval_script", "log_parser", "eval_type")
 DEFAULT_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=60.0,
                              wall_clock_s=3600.0, max_observation_chars=10000)
@@ -235,28 +241,46 @@ def summary_from_report(report: dict, instance_ids: list[str], dataset: str, lab
 
 # -- the environment -----------------------------------------------------------------------------------------
 
-class SWEbenchEnv(SandboxEnv):
-    """The agent in a container of the instance's image; grading is the harness's job, not this env's."""
+class SWEbenchEnv(RepairEnv):
+    """RepairEnv's docker executor (start state checked out in /testbed, PRELUDE before every command,
+    play_oracle); grading is the harness's job, not this env's."""
 
     def __init__(self, task, *, limits: Limits | None = None):
-        super().__init__(executor="docker", limits=limits)
-        self.task, self.task_id, self.image, self.start_path = task, task.task_id, task.image, None
-        self.instruction = INSTRUCTION.format(problem=task.problem_statement.strip())
-
-    def exec(self, command: str, timeout_s: float, mounts=None):
-        return super().exec(PRELUDE + command, timeout_s, mounts)
+        super().__init__(task, executor="docker", limits=limits)
 
     async def reward(self) -> RewardResult:
         return RewardResult(0.0, "graded by the swebench harness", {"graded": False})
 
     async def patch(self) -> str:
-        cmd = f"git add -A && git diff --cached --no-color {shlex.quote(self.task.base_ref)}"
-        res = await asyncio.to_thread(self.exec, cmd, 300.0)
-        if res.exit_code != 0 or res.limit:
-            raise RuntimeError(f"`{cmd}` failed (exit {res.exit_code}, limit {res.limit}): {res.stderr.strip()[-200:]}")
-        if res.truncated:
-            raise RuntimeError("the final diff is larger than the sandbox's output cap")
-        return res.stdout
+        """The prediction: the whole final diff (the harness, not tsrl, decides what counts)."""
+        return (await asyncio.to_thread(self.final_diff))[1]
+
+
+def missing_images(images: list[str]) -> list[str]:
+    """The images this machine's Docker daemon does not have, in the given order, once each."""
+    import docker
+
+    client = docker.from_env(timeout=60)
+    try:
+        out = []
+        for image in dict.fromkeys(images):
+            try:
+                client.images.get(image)
+            except docker.errors.ImageNotFound:
+                out.append(image)
+        return out
+    finally:
+        client.close()
+
+
+def require_images(images: list[str], where: str) -> None:
+    """UsageError unless every image is here: neither the rollouts nor the harness may pull one."""
+    missing = missing_images(images)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UsageError(f"{where}: image {missing[0]}{more} is not on this machine, and tsrl pulls nothing (the "
+                         f"harness would, unchecked): `docker pull {missing[0]}` where a registry is reachable, or "
+                         "`tsrl prepare-data swebench-local` for the local set's images")
 
 
 async def _swebench_patch(env: SWEbenchEnv, job) -> str:
@@ -269,21 +293,26 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
                  instances: list[str] | None = None, workers: int = 4, temperature: float = 0.0,
                  max_turns: int | None = None, out_dir: str | Path | None = None, grade_only: str | None = None,
                  harness_dataset: str | None = None, no_grade: bool = False, timeout_s: int = 1800,
-                 progress: Callable[[str], None] = lambda m: None) -> dict:
+                 agent: str = "policy", progress: Callable[[str], None] = lambda m: None) -> dict:
     """`tsrl eval swebench`: rollouts -> predictions.jsonl -> official harness -> summary (see module docstring)."""
     if grade_only is not None:
-        return _grade_only(grade_only, harness_dataset or dataset, out_dir, workers, timeout_s, instances, progress)
-    if not model:
-        raise UsageError("--model DIR_OR_ID is required (or --grade-only PREDICTIONS)")
+        return _grade_only(grade_only, dataset, harness_dataset, out_dir, workers, timeout_s, instances, progress)
+    if agent not in AGENTS:
+        raise UsageError(f"--agent {agent!r}: use one of {', '.join(AGENTS)}")
+    if agent == "policy" and not model:
+        raise UsageError("--model DIR_OR_ID is required (or --agent oracle|nop, or --grade-only PREDICTIONS)")
+    if agent != "policy" and model:
+        raise UsageError(f"--agent {agent} needs no model: drop --model {model}")
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be >= 1")
 
-    ds = open_dataset(dataset)
+    ds = open_dataset(dataset, hint=DATASET_HINT)
     if any(t.kind != "repair" for t in ds.tasks):
         raise UsageError(f"{dataset}: not a repair dataset")
     ds = replace(ds, tasks=select_instances(ds.tasks, instances, dataset))
     name, tasks = ds.name, ds.tasks
-    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-{Path(model).name}"
+    model_name = model if agent == "policy" else f"tsrl-{agent}"  # model_name_or_path of the predictions
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-{Path(model_name).name}"
     rows = None if (no_grade or harness_dataset) else [harness_row(t) for t in tasks]
     if rows:
         check_row_columns(rows, dataset)  # before Docker: a fix the user can make anywhere
@@ -291,22 +320,23 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     version = None if no_grade else require_swebench()
     if rows:
         check_row_parsers(rows, dataset)
+    require_images([t.image for t in tasks], dataset)
 
     limits = DEFAULT_LIMITS if max_turns is None else AgentLimits(**{**DEFAULT_LIMITS.__dict__, "max_turns": max_turns})
-    config = {"model": model, "engine": engine, "temperature": temperature, "top_p": 1.0,
-              "limits": dict(limits.__dict__), "executor": "docker", "label": label(version)}
+    config = {"model": model_name, "engine": engine if agent == "policy" else "none", "temperature": temperature,
+              "top_p": 1.0, "limits": dict(limits.__dict__), "executor": "docker", "label": label(version)}
     log = open_out_dir(out, config)
     harness_ds = harness_dataset
     if rows:
         write_jsonl_atomic(out / HARNESS_ROWS, rows)
         harness_ds = str((out / HARNESS_ROWS).resolve())
-    pol, tok = load_engine(model, engine)
+    pol, tok = load_engine(model, engine) if agent == "policy" else (None, None)
     t0 = time.perf_counter()
     jobs = make_jobs([ds], samples=1, seeds=(0,))
     records = run_jobs(pol, tok, jobs, make_env=lambda j: SWEbenchEnv(j.task), collect_patch=_swebench_patch,
                        temperature=temperature, limits=limits, concurrency=workers, max_batch=max(8, workers),
-                       log=log, progress=progress)
-    preds = predictions_from_records([r for r in records if not r.get("error")], model)
+                       log=log, progress=progress, agent=agent)
+    preds = predictions_from_records([r for r in records if not r.get("error")], model_name)
     write_jsonl_atomic(out / PREDICTIONS, preds)
     base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,
             "errors": [r["instance_id"] for r in records if r.get("error")]}
@@ -338,25 +368,39 @@ def _rewrite_graded(log: RecordLog, records: list[dict]) -> None:
     log.rewrite([by_key.get((r["dataset"], r["instance_id"], r["sample"], r["seed"]), r) for r in old])
 
 
-def _grade_only(predictions: str, dataset: str, out_dir, workers: int, timeout_s: int, instances, progress) -> dict:
+def _grade_only(predictions: str, dataset: str, harness_dataset: str | None, out_dir, workers: int, timeout_s: int,
+                instances, progress) -> dict:
+    """Grade a predictions file against the rows of the prepared `dataset`, or against `harness_dataset`
+    (a hub id, or a .jsonl/.json/.parquet file of swebench 5.x rows) when given."""
     preds = read_predictions(predictions)
     if instances:
         preds = [p for p in preds if p["instance_id"] in set(instances)]
         if not preds:
             raise UsageError(f"--instances: none of them is in {predictions}")
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"swebench-grade-{Path(predictions).stem}"
-    rows = None
-    if Path(dataset).is_dir():  # a prepared tsrl dataset: hand the harness its rows
-        by_id = {t.task_id: t for t in open_dataset(dataset).tasks}
+    rows = images = None
+    if harness_dataset is None:  # a prepared tsrl dataset: hand the harness its rows
+        by_id = {t.task_id: t for t in open_dataset(dataset, hint=DATASET_HINT).tasks}
         unknown = [p["instance_id"] for p in preds if p["instance_id"] not in by_id]
         if unknown:
-            raise UsageError(f"{predictions}: instance {unknown[0]} is not in {dataset}")
+            raise UsageError(f"{predictions}: instance {unknown[0]} is not in {dataset}; grade it against the "
+                             "dataset it was predicted on (--dataset DIR)")
         rows = [harness_row(by_id[p["instance_id"]]) for p in preds]
         check_row_columns(rows, dataset)
+        images = [r["image"] for r in rows]
+    elif Path(harness_dataset).suffix in (".jsonl", ".json", ".parquet") and not Path(harness_dataset).is_file():
+        raise UsageError(f"--harness-dataset {harness_dataset}: no such file (a hub id, or a file of swebench 5.x rows)")
     require_docker("tsrl eval swebench --grade-only")
     version = require_swebench()
+    if images is None and Path(harness_dataset).suffix in (".jsonl", ".json"):
+        from swebench.harness.utils import load_swebench_dataset
+
+        ids = {p["instance_id"] for p in preds}
+        images = [r["image"] for r in load_swebench_dataset(harness_dataset) if r["instance_id"] in ids and r.get("image")]
+    if images:  # a hub dataset is fetched by the harness, its images with it: that run is online anyway
+        require_images(images, harness_dataset or dataset)
     out.mkdir(parents=True, exist_ok=True)
-    harness_ds = dataset
+    harness_ds = harness_dataset
     if rows:
         check_row_parsers(rows, dataset)
         write_jsonl_atomic(out / HARNESS_ROWS, rows)

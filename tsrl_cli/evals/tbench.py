@@ -2,9 +2,13 @@
 
 Each task runs in its environment, then its `tests/test.sh` writes /logs/verifier/reward.txt or
 reward.json (envs/terminal.py). Executors:
-  docker  the task's prebuilt image (`docker_image` in task.toml); commands run in the Dockerfile's
-          WORKDIR (default /app). Tasks that only ship a Dockerfile need their image built first,
-          or --via-harbor, which builds it. Needs a Docker daemon (else exit 2, nothing run).
+  docker  the task's prebuilt image (`docker_image` in task.toml), else one built from its
+          environment/Dockerfile (TB 1.x: Dockerfile or docker-compose.yaml) before anything runs,
+          tagged by the task directory's sha256 and reused (sandbox/images.py; logs in <out>/builds;
+          --base-image FROM=LOCAL for machines that cannot pull, recorded in config.json); commands
+          run in the Dockerfile's WORKDIR (default /app). Needs a Docker daemon (else exit 2).
+--agent oracle runs each task's solution/solve.sh, --agent nop does nothing (Harbor's controls):
+their scores come through the same verifier and reward file as the policy's.
   local   a copy of environment/ at /app in the local sandbox: right for tasks whose environment
           is plain files (the embedded suite), an approximation otherwise. Never a
           Terminal-Bench score, and labelled so.
@@ -29,11 +33,14 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import yaml
+
 from tsrl_cli.agent.loop import AgentLimits
 from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
+    AGENTS,
     SUMMARY,
     load_engine,
     make_jobs,
@@ -44,6 +51,7 @@ from tsrl_cli.evals.runner import (
     summarize,
 )
 from tsrl_cli.files import write_json_atomic
+from tsrl_cli.sandbox.images import build_image, task_image_tag
 
 DOCKER_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=180.0,
                             wall_clock_s=900.0, max_observation_chars=10000)
@@ -75,12 +83,57 @@ def image_workdir(environment_dir: Path, default: str = "/app") -> str:
 class DockerTerminalEnv(TerminalEnv):
     """TerminalEnv in the task's image, every command (the verifier's too) run in the image's WORKDIR."""
 
-    def __init__(self, task, dataset_dir, **kw):
+    def __init__(self, task, dataset_dir, *, image: str | None = None, **kw):
         super().__init__(task, dataset_dir, executor="docker", **kw)
+        self.image = image or task.docker_image
         self.workdir = image_workdir(self.start_path)
 
     def exec(self, command: str, timeout_s: float, mounts=None):
         return super().exec(f"cd {self.workdir} && {command}", timeout_s, mounts)
+
+
+def task_images(tasks, dataset_dir: Path, *, base_images: dict[str, str], log_dir: Path,
+                progress: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str]]:
+    """{task id: image} for the docker executor, building from each task's Dockerfile what has no
+    prebuilt `docker_image` (tagged by the task directory's sha256, reused when present; logs in
+    log_dir). Returns that and the FROM mapping the builds used (printed by build_image, recorded by
+    the caller). A TB 1.x docker-compose.yaml is built from its one service's `build` section."""
+    images, used = {}, {}
+    for t in tasks:
+        if t.docker_image:
+            images[t.task_id] = t.docker_image
+            continue
+        ctx, dockerfile = build_context(Path(dataset_dir) / t.task_dir / t.environment_dir, t.task_id)
+        tag = task_image_tag(t.task_id, t.dir_sha256, base_images)
+        used.update(build_image(ctx, tag=tag, what=f"task {t.task_id}", log_path=log_dir / f"{t.task_id}.log",
+                                dockerfile=dockerfile, base_images=base_images, timeout_s=t.build_timeout_s,
+                                progress=progress))
+        images[t.task_id] = tag
+    return images, used
+
+
+def build_context(env_dir: Path, task_id: str) -> tuple[Path, str]:
+    """(context folder, Dockerfile path in it) of a task's environment: its Dockerfile, else the one
+    service of its docker-compose.yaml that has a `build` section."""
+    if (env_dir / "Dockerfile").is_file():
+        return env_dir, "Dockerfile"
+    for name in ("docker-compose.yaml", "docker-compose.yml"):
+        p = env_dir / name
+        if not p.is_file():
+            continue
+        try:
+            doc = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"task {task_id}: {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        builds = [s["build"] for s in (doc.get("services") or {}).values() if isinstance(s, dict) and s.get("build")]
+        if len(builds) != 1:
+            raise UsageError(f"task {task_id}: {p}: expected one service with a `build` section, found {len(builds)} "
+                             "(multi-container tasks need --via-harbor)")
+        b = builds[0] if isinstance(builds[0], dict) else {"context": builds[0]}
+        ctx = (env_dir / str(b.get("context", "."))).resolve()
+        return ctx, str(b.get("dockerfile", "Dockerfile"))
+    raise UsageError(f"task {task_id}: no Dockerfile or docker-compose.yaml in {env_dir}, and no docker_image "
+                     "in task.toml: nothing to run it in")
 
 
 def _select(dataset: str, limit: int | None, instances: list[str] | None):
@@ -95,26 +148,26 @@ def _select(dataset: str, limit: int | None, instances: list[str] | None):
 def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", engine: str = "hf", samples: int = 1,
                seeds: tuple[int, ...] = (0,), temperature: float = 0.0, max_turns: int | None = None,
                limit: int | None = None, instances: list[str] | None = None, out_dir: str | Path | None = None,
-               workers: int = 16, policy=None, progress: Callable[[str], None] | None = None) -> dict:
+               workers: int = 16, policy=None, progress: Callable[[str], None] | None = None,
+               agent: str = "policy", base_images: dict[str, str] | None = None) -> dict:
     """Run tsrl's agent loop on each task in its environment, score with tests/test.sh, summarize.
 
-    `policy` = (engine, tokenizer) skips loading `model` (tests pass a scripted engine).
+    `policy` = (engine, tokenizer) skips loading `model` (tests pass a scripted engine). `agent`
+    oracle|nop: the controls (runner.run_jobs). `base_images`: {FROM: local image} for the builds.
     """
     ds = _select(dataset, limit, instances)
     name, tasks, source = ds.name, ds.tasks, ds.manifest.get("source", "?")
+    if agent not in AGENTS:
+        raise UsageError(f"--agent {agent!r}: use one of {', '.join(AGENTS)}")
     if executor == "docker":
-        no_image = [t.task_id for t in tasks if not t.docker_image]
-        if no_image:
-            raise UsageError(f"{len(no_image)} task(s) have no prebuilt docker_image (e.g. {no_image[0]}); the docker executor "
-                             "does not build images: build them and set [environment] docker_image, or use --via-harbor")
         require_docker("tsrl eval tbench --executor docker")
         base = DOCKER_LIMITS
     elif executor == "local":
         base = AgentLimits()  # the limits the embedded policy is trained with
     else:
         raise UsageError(f"--executor {executor!r}: use docker or local")
-    if policy is None and not model:
-        raise UsageError("--model DIR_OR_ID is required")
+    if policy is None and not model and agent == "policy":
+        raise UsageError("--model DIR_OR_ID is required (or --agent oracle|nop)")
     if max_turns is not None:
         base = replace(base, max_turns=max_turns)
 
@@ -122,24 +175,33 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
         t = job.task.agent_timeout_s
         return replace(base, wall_clock_s=float(t)) if executor == "docker" and t else base
 
-    lab = label(name, source, executor)
-    model_name = model or "<given engine>"
-    config = {"model": model_name, "engine": engine if policy is None else type(policy[0]).__name__,
+    lab = label(name, source, executor) + ("" if agent == "policy" else f" [{agent} agent]")
+    model_name = (model or "<given engine>") if agent == "policy" else f"tsrl-{agent}"
+    config = {"model": model_name, "engine": "none" if agent != "policy" else
+              engine if policy is None else type(policy[0]).__name__,
               "temperature": temperature, "top_p": 1.0, "limits": asdict(base), "executor": executor, "label": lab}
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-{name}-{Path(model_name).name}"
+    images: dict[str, str] = {}
+    if executor == "docker":  # every task's image before any model is loaded: a failed build is one line
+        images, used = task_images(tasks, ds.path, base_images=base_images or {}, log_dir=out / "builds",
+                                   progress=progress or (lambda m: None))
+        config["base_images"] = used
+        if used:  # not the tasks' own environments: the label says so
+            config["label"] = lab = lab + " (FROM mapped to local images)"
     log = open_out_dir(out, config)
-    if policy is None:
-        policy = load_engine(model, engine)
-    pol, tok = policy
+    if agent != "policy":
+        pol, tok = None, None
+    else:
+        pol, tok = policy if policy is not None else load_engine(model, engine)
 
     def make_env(job):
         if executor == "docker":
-            return DockerTerminalEnv(job.task, job.dataset_dir)
+            return DockerTerminalEnv(job.task, job.dataset_dir, image=images[job.task.task_id])
         return TerminalEnv(job.task, job.dataset_dir, executor="local")
 
     t0 = time.perf_counter()
     records = run_jobs(pol, tok, make_jobs([ds], samples, seeds), make_env=make_env, temperature=temperature,
-                       limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress)
+                       limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress, agent=agent)
     s = summarize(records, label=lab, datasets=[name])
     s.update(config=config, samples=samples, seeds=list(seeds), out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     write_json_atomic(out / SUMMARY, s, sort_keys=True)
