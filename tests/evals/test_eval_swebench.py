@@ -202,10 +202,10 @@ def test_harness_report_read_back(ds, tmp_path, monkeypatch):
     run_instance(make_test_spec(r), preds[IID], None, "run1", rewrite_reports=True)
     path = make_run_report(preds, [r], "run1", client=None, report_dir=str(tmp_path))
     assert path == sb.report_path(tmp_path, "tsrl/ckpt", "run1")
-    s = sb.summary_from_report(json.loads(path.read_text()), [IID], "swebench_verified", sb.label("5.0.2"))
+    s = sb.summary_from_report(json.loads(path.read_text()), [IID], "swebench_verified", sb.label("5.0.2", "swebench_verified"))
     d = s["datasets"]["swebench_verified"]
     assert (d["n"], d["resolved"], s["harness"]["resolved_instances"]) == (1, 1, 1)
-    assert s["label"].startswith("SWE-bench") and "official swebench 5.0.2 harness" in s["label"]
+    assert s["label"].startswith("swebench_verified: SWE-bench-format") and "official swebench 5.0.2 harness" in s["label"]
 
 
 def test_harness_command_matches_the_harness(tmp_path):

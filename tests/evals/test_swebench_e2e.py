@@ -50,7 +50,7 @@ def test_gold_patches_resolve_offline_and_the_images_stay(local_set, tmp_path):
 
     s = cli("--grade-only", local_set["controls"]["gold"], "--dataset", str(local_set["out"]), "--out",
             str(tmp_path / "gold"), "--workers", "3")
-    assert s["datasets"]["swebench"]["resolved"] == 3 and s["harness"]["resolved_instances"] == 3
+    assert s["datasets"]["swebench_local"]["resolved"] == 3 and s["harness"]["resolved_instances"] == 3
     reps = instance_reports(tmp_path / "gold")
     assert sorted(reps) == local_set["ids"] and all(r["resolved"] and r["patch_successfully_applied"] for r in reps.values())
     logs = list((tmp_path / "gold").glob("logs/run_evaluation/*/*/*/run_instance.log"))
@@ -72,7 +72,7 @@ def test_empty_and_pass_to_pass_breaking_patches_do_not_resolve(local_set, tmp_p
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
     s = cli("--grade-only", str(tmp_path / "mixed.jsonl"), "--dataset", str(local_set["out"]), "--out",
             str(tmp_path / "mixed"), "--workers", "2")
-    assert s["datasets"]["swebench"]["resolved"] == 0 and s["datasets"]["swebench"]["n"] == 3
+    assert s["datasets"]["swebench_local"]["resolved"] == 0 and s["datasets"]["swebench_local"]["n"] == 3
     assert s["harness"]["empty_patch_instances"] == 1 and s["harness"]["unresolved_instances"] == 2
     reps = instance_reports(tmp_path / "mixed")
     assert sorted(reps) == ids[1:]  # the harness runs no container for an empty patch
@@ -90,6 +90,7 @@ def test_agent_oracle_resolves_and_nop_does_not(local_set, tmp_path):
                  str(tmp_path / "oracle"), "--workers", "2")
     d = oracle["datasets"]["swebench_local"]
     assert (d["n"], d["resolved"], d["errors"]) == (2, 2, 0), oracle
+    assert oracle["label"].startswith("swebench_local: SWE-bench-format instances (oracle agent;")  # not "SWE-bench"
     gold = {p["instance_id"]: p["model_patch"] for p in read_jsonl(local_set["controls"]["gold"])}
     preds = read_jsonl(tmp_path / "oracle" / "predictions.jsonl")
     assert {p["model_name_or_path"] for p in preds} == {"tsrl-oracle"}

@@ -73,8 +73,10 @@ class HarnessError(OperationFailed):
     """The official harness ran and failed: nothing was graded (the CLI exits 1)."""
 
 
-def label(version: str | None) -> str:
-    return f"SWE-bench (tsrl agent loop; graded by the official swebench {version or '?'} harness)"
+def label(version: str | None, dataset: str, agent: str = "policy") -> str:
+    """Names the dataset the run used (a local SWE-bench-format set is not SWE-bench Verified) and the agent."""
+    who = {"policy": "tsrl agent loop", "predictions": "predictions from a file"}.get(agent, f"{agent} agent")
+    return f"{dataset}: SWE-bench-format instances ({who}; graded by the official swebench {version or '?'} harness)"
 
 
 def require_swebench() -> str:
@@ -324,7 +326,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
 
     limits = DEFAULT_LIMITS if max_turns is None else AgentLimits(**{**DEFAULT_LIMITS.__dict__, "max_turns": max_turns})
     config = {"model": model_name, "engine": engine if agent == "policy" else "none", "temperature": temperature,
-              "top_p": 1.0, "limits": dict(limits.__dict__), "executor": "docker", "label": label(version)}
+              "top_p": 1.0, "limits": dict(limits.__dict__), "executor": "docker", "label": label(version, name, agent)}
     log = open_out_dir(out, config)
     harness_ds = harness_dataset
     if rows:
@@ -341,7 +343,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,
             "errors": [r["instance_id"] for r in records if r.get("error")]}
     if no_grade or not preds:
-        s = summarize(records, label=label(version), datasets=[name])
+        s = summarize(records, label=label(version, name, agent), datasets=[name])
         s.update(base, graded=False, wall_s=round(time.perf_counter() - t0, 1))
         write_json_atomic(out / SUMMARY, s, sort_keys=True)
         return s
@@ -352,7 +354,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
         if not r.get("error"):
             r["resolved"], r["reward"] = r["instance_id"] in resolved, float(r["instance_id"] in resolved)
     _rewrite_graded(log, records)
-    s = summarize(records, label=label(version), datasets=[name])
+    s = summarize(records, label=label(version, name, agent), datasets=[name])
     s.update(base, graded=True, harness={k: report.get(k) for k in ("resolved_instances", "unresolved_instances",
                                                                       "empty_patch_instances", "error_instances",
                                                                       "error_ids", "schema_version")},
@@ -411,7 +413,8 @@ def _grade_only(predictions: str, dataset: str, harness_dataset: str | None, out
     t0 = time.perf_counter()
     report = grade(sub, harness_ds, out, run_id=out.name, workers=workers, timeout_s=timeout_s,
                    instance_ids=[p["instance_id"] for p in preds], progress=progress)
-    s = summary_from_report(report, [p["instance_id"] for p in preds], "swebench", label(version))
+    name = Path(dataset).name if Path(dataset).is_dir() else dataset
+    s = summary_from_report(report, [p["instance_id"] for p in preds], name, label(version, name, "predictions"))
     s.update(out=str(out), predictions=str(sub), graded=True, wall_s=round(time.perf_counter() - t0, 1))
     write_json_atomic(out / SUMMARY, s, sort_keys=True)
     return s
