@@ -13,9 +13,10 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "tsrl_cli"
 # may be imported inside functions: optional or heavy packages that only some commands need
-LAZY_OK = {"vllm", "peft", "docker", "matplotlib", "swebench", "datasets", "huggingface_hub"}
+LAZY_OK = {"vllm", "peft", "docker", "matplotlib", "swebench", "datasets", "huggingface_hub", "tensorboard", "wandb"}
 # (file, module) imported inside a function on purpose, with the reason
-LAZY_EXCEPTIONS = {("processes.py", "torch"): "OpenMP reads OMP_NUM_THREADS when torch loads: thread_env() first"}
+LAZY_EXCEPTIONS = {("processes.py", "torch"): "OpenMP reads OMP_NUM_THREADS when torch loads: thread_env() first",
+                   ("trackers.py", "torch"): "torch.utils.tensorboard imports the optional tensorboard package"}
 
 
 def modules() -> dict[str, pathlib.Path]:

@@ -15,6 +15,7 @@ import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,10 @@ class RolloutConfig:
     concurrency: int = 64  # agent sessions at once
     max_batch: int = 16  # turn requests per engine call
     batch_invariant: bool = False  # each request alone: bitwise reproducible in float32, slower
-    executor: str = "local"  # sandbox executor: local | docker
+    executor: str = "local"  # sandbox executor: local | docker (docker.* below)
+    # who plays the turns: policy (the engine) | oracle (each task's reference solution, written as the
+    # model's turn: every reward must be 1; a check of the environments and verifiers before a real run)
+    agent: str = "policy"
     # share of a round's trajectories whose environment may fail to start (scored 0) before the run stops
     # with exit 1; 0 = the first such failure stops it (a broken environment is never a reward)
     max_env_error_frac: float = 0.0
@@ -83,6 +87,16 @@ class RolloutConfig:
     # where the bus's TCPStore listens (this node's address as other nodes reach it, for remote servers); port 0 = any
     weight_bus_host: str = "127.0.0.1"
     weight_bus_port: int = 0
+
+
+@dataclass(frozen=True)
+class DockerConfig:
+    """The docker executor (rollout.executor docker): terminal tasks without a prebuilt image are built
+    from their Dockerfile before round 1 (envs/images.py), logs in <run dir>/builds."""
+
+    # FROM_IMAGE=LOCAL_IMAGE items (CLI --base-image): build a Dockerfile's FROM from a local image, for
+    # machines that cannot pull; printed at the start and kept in config.yaml
+    base_images: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,7 @@ class RunConfig:
     save_every: int = 0  # checkpoint every K rounds (and round-0); 0 = only at the end
     save_rollouts: bool = False  # write rollouts.jsonl
     start_method: str = "forkserver"  # forkserver (workers fork from a preloaded server) | spawn
+    trackers: tuple[str, ...] = ()  # also log each metrics row to: tensorboard | wandb (pip extras of those names)
 
 
 @dataclass(frozen=True)
@@ -200,6 +215,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    docker: DockerConfig = field(default_factory=DockerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     offpolicy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
@@ -213,6 +229,17 @@ class TrainConfig:
         if self.run.out:
             return Path(self.run.out)
         return Path("results") / self.name / self.schedule / f"seed{self.seed}"
+
+
+def parse_base_images(items: Iterable[str], where: str = "--base-image") -> dict[str, str]:
+    """["FROM=LOCAL", ...] -> {FROM: LOCAL}; a malformed item is a ConfigError (exit 2) naming it."""
+    out: dict[str, str] = {}
+    for it in items:
+        src, eq, dst = it.partition("=")
+        if not eq or not src.strip() or not dst.strip() or any(c.isspace() for c in it):
+            raise ConfigError(f"{where} {it!r}: expected FROM_IMAGE=LOCAL_IMAGE, e.g. python:3.11-slim=tsrl-base:bookworm")
+        out[src] = dst
+    return out
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -377,6 +404,12 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     one_of("model.dtype", cfg.model.dtype, DTYPES)
     one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
     one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))
+    one_of("rollout.agent", cfg.rollout.agent, ("policy", "oracle"))
+    if cfg.docker.base_images:
+        parse_base_images(cfg.docker.base_images, where="config key docker.base_images:")
+        if cfg.rollout.executor != "docker":
+            raise ConfigError("config key docker.base_images: set, but rollout.executor is "
+                              f"{cfg.rollout.executor}; it maps the FROM lines of docker builds (rollout.executor=docker)")
     one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "openai"))
     one_of("rollout.weight_sync_backend", cfg.rollout.weight_sync_backend, ("auto", "gloo", "nccl"))
     if cfg.rollout.engine == "openai" and not cfg.rollout.servers:
@@ -405,6 +438,10 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"config key rollout.vllm_memory_fraction: must be in (0, 1], got "
                               f"{cfg.rollout.vllm_memory_fraction}")
     one_of("run.start_method", cfg.run.start_method, ("forkserver", "spawn"))
+    for t in cfg.run.trackers:
+        one_of("run.trackers", t, ("tensorboard", "wandb"))
+    if len(set(cfg.run.trackers)) != len(cfg.run.trackers):
+        raise ConfigError(f"config key run.trackers: a tracker is listed twice in {list(cfg.run.trackers)}")
     positive = {"rounds": cfg.rounds, "rollout.group_size": cfg.rollout.group_size,
                 "rollout.prompts_per_round": cfg.rollout.prompts_per_round, "rollout.max_turns": cfg.rollout.max_turns,
                 "rollout.concurrency": cfg.rollout.concurrency, "rollout.max_batch": cfg.rollout.max_batch,

@@ -11,6 +11,8 @@ from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.embedded.policy.demos import say
 from tsrl_cli.embedded.terminal_suite import solution_commands
 from tsrl_cli.engines.scripted import ScriptedEngine
+from tsrl_cli.envs.images import image_workdir
+from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals import tbench as tb
 
@@ -68,6 +70,7 @@ def test_via_harbor_needs_harbor_on_path(tbds, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no harbor here
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--via-harbor", "--instances", "hello-world"])
     assert res.exit_code == 2 and "harbor" in res.stderr and "Python >= 3.12" in res.stderr
+    assert "--harbor-in-docker" in res.stderr  # the way out on a machine without Python 3.12
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--via-harbor"])
     assert res.exit_code == 2 and "Terminal-Bench 1.x" in res.stderr  # csv-to-parquet is a 1.x task
 
@@ -90,13 +93,29 @@ def test_harbor_command():
                    "--jobs-dir", "out/harbor", "--job-name", "j1", "--include-task-name", "hello-world"]
 
 
+def test_harbor_control_agents_get_no_model_and_in_docker_mounts(tmp_path, monkeypatch):
+    cmd = tb.harbor_command("/d/tasks", served_model="m", endpoint="http://x/v1", jobs_dir="/o/harbor", job_name="j",
+                            agent="oracle", harbor=["docker", "run", "img", "harbor"])
+    assert cmd[:6] == ["docker", "run", "img", "harbor", "run", "--path"] and "--model" not in cmd
+    monkeypatch.setenv("DOCKER_HOST", "unix:///run/other.sock")
+    pre = tb.harbor_in_docker("img:1", tmp_path / "tasks", tmp_path / "jobs")
+    assert "/run/other.sock:/var/run/docker.sock" in pre and f"{tmp_path}/tasks:{tmp_path}/tasks:ro" in pre
+    assert f"{tmp_path}/jobs:{tmp_path}/jobs" in pre and pre[-2:] == ["img:1", "harbor"]
+    job = tmp_path / "job"
+    job.mkdir()
+    assert tb.harbor_scores(job) is None
+    (job / "result.json").write_text(json.dumps({"stats": {"evals": {"oracle__tasks": {
+        "n_trials": 2, "n_errors": 0, "metrics": [{"mean": 0.5}]}}}}))
+    assert tb.harbor_scores(job) == {"oracle__tasks": {"trials": 2, "errors": 0, "mean": 0.5}}
+
+
 def test_image_workdir_and_docker_env_prefix(tbds, tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM ubuntu\nWORKDIR /srv\nRUN true\nworkdir /work/app\n")
-    assert tb.image_workdir(tmp_path) == "/work/app"
-    assert tb.image_workdir(tmp_path / "none") == "/app"
+    assert image_workdir(tmp_path) == "/work/app"
+    assert image_workdir(tmp_path / "none") == "/app"
     ds = open_dataset(str(tbds))
     d, tasks = ds.path, ds.tasks
-    env = tb.DockerTerminalEnv({t.task_id: t for t in tasks}["hello-world"], d)
+    env = TerminalEnv({t.task_id: t for t in tasks}["hello-world"], d, executor="docker")
     seen = []
     env.sandbox = type("S", (), {"run": lambda self, c, t, mounts=None: seen.append(c)})()
     env.exec("ls", 5)

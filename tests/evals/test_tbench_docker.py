@@ -8,9 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
-from tsrl_cli.evals import tbench as tb
+from tsrl_cli.config import parse_base_images
+from tsrl_cli.envs.images import build_context
 from tsrl_cli.errors import UsageError
-from tsrl_cli.sandbox.images import map_from_lines, parse_base_images, task_image_tag
+from tsrl_cli.sandbox.images import map_from_lines, task_image_tag
 
 # a Harbor task with environment/Dockerfile (FROM ubuntu:24.04). The fixture's TB 1.x task pip-installs at
 # test time and its prebuilt-image task names a registry image: neither can run without a network.
@@ -92,5 +93,5 @@ def test_from_mapping_and_tags():
 
 
 def test_compose_context(tbds):
-    ctx, dockerfile = tb.build_context(tbds / "tasks" / "csv-to-parquet", "csv-to-parquet")
+    ctx, dockerfile = build_context(tbds / "tasks" / "csv-to-parquet", "csv-to-parquet")
     assert (ctx / dockerfile).is_file()

@@ -1,8 +1,9 @@
 """Fixtures for the report tests: synthetic results trees made in the test (synthetic_runs.py), the
-committed runs of results/reports/spread_grpo_small, and a report built from each, once per session."""
+committed runs of results/reports/spread_grpo_small and results/reports/budget_tis, and a report built
+from each, once per session."""
 
 import pytest
-from report_helpers import COMMITTED, REPO, build
+from report_helpers import COMMITTED, COMMITTED_BUDGET, REPO, build
 from synthetic_runs import make_run, make_tree
 
 
@@ -36,3 +37,10 @@ def built_committed(tmp_path_factory):
     repository root, so that REPORT.md names the same results directory)."""
     out = tmp_path_factory.mktemp("committed")
     return out, build(f"{COMMITTED}/runs", out, cwd=REPO)
+
+
+@pytest.fixture(scope="session")
+def built_budget(tmp_path_factory):
+    """The committed fixed-budget report (stream, async with and without TIS) rebuilt from its committed runs."""
+    out = tmp_path_factory.mktemp("budget_tis")
+    return out, build(f"{COMMITTED_BUDGET}/runs", out, cwd=REPO)

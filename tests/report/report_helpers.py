@@ -22,6 +22,7 @@ from tsrl_cli.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = "results/reports/spread_grpo_small"  # a committed report and, under runs/, the runs it was built from
+COMMITTED_BUDGET = "results/reports/budget_tis"  # the same for the fixed-budget comparison
 REL, ABS = 1e-9, 1e-12
 
 

@@ -12,7 +12,7 @@ import json
 import shutil
 
 import pytest
-from report_helpers import COMMITTED, REPO, claim_numbers, compare_folders, markdown_cells
+from report_helpers import COMMITTED, COMMITTED_BUDGET, REPO, claim_numbers, compare_folders, markdown_cells, read_csv
 
 GOLDEN = REPO / "tests" / "report" / "golden"
 # what the device-hours change renamed: the earlier code's names -> today's (same numbers on these
@@ -61,12 +61,13 @@ def test_the_comparison_sees_a_changed_number(built, tmp_path):
     assert "tables/memory.md: markdown cells differ" in bad
 
 
-def test_committed_report_regenerates_from_committed_runs(built_committed):
-    """`tsrl report results/reports/spread_grpo_small/runs --out results/reports/spread_grpo_small`
-    gives the committed tables, figure data and REPORT.md (the PNGs are not compared: matplotlib's
-    rendering differs between versions)."""
-    out, doc = built_committed
-    committed = REPO / COMMITTED
+@pytest.mark.parametrize("committed, fixture, runs, paired", [(COMMITTED, "built_committed", 12, 24),
+                                                               (COMMITTED_BUDGET, "built_budget", 9, 0)])
+def test_committed_report_regenerates_from_committed_runs(request, committed, fixture, runs, paired):
+    """`tsrl report <committed>/runs --out <committed>` gives the committed tables, figure data and
+    REPORT.md (the PNGs are not compared: matplotlib's rendering differs between versions)."""
+    out, doc = request.getfixturevalue(fixture)
+    committed = REPO / committed
     names = {p.relative_to(committed) for p in committed.glob("*/*.csv")} | {p.relative_to(committed)
                                                                              for p in committed.glob("tables/*.md")}
     assert names == {p.relative_to(out) for p in out.glob("*/*.csv")} | {p.relative_to(out)
@@ -74,7 +75,21 @@ def test_committed_report_regenerates_from_committed_runs(built_committed):
     bad, n = compare_folders(committed, out)
     assert bad == [] and n > 3000, bad[:10]
     assert (out / "REPORT.md").read_text() == (committed / "REPORT.md").read_text()
-    assert doc["runs"] == 12 and doc["paired_rows"] == 24
+    assert doc["runs"] == runs and doc["paired_rows"] == paired
+
+
+def test_committed_budget_report_has_three_arms_from_their_configs(built_budget):
+    """stream, async with TIS and async without, one budget for the three (one workload), labelled from
+    each run's config.yaml, with the gap to stream for both async arms."""
+    out, _ = built_budget
+    rows = read_csv(out / "tables" / "reward_at_budget.csv")
+    assert [(r["experiment"], r["schedule"], r["arm"]) for r in rows] == [
+        ("budget_stream_vs_async", "stream", "stream"), ("budget_async_tis", "async", "async, TIS cap 2.0"),
+        ("budget_stream_vs_async", "async", "async, no TIS")]
+    assert len({r["budget_group"] for r in rows}) == 1 and len({r["budget_device_s"] for r in rows}) == 1
+    assert all(r["seeds"] == "42 43 44" and r["reward_mean"] for r in rows)
+    assert [bool(r["gap_points_mean"]) for r in rows] == [False, True, True]
+    assert (out / "figures" / "reward_vs_device_s.png").is_file()
 
 
 def test_committed_report_names_its_setup_from_the_runs(built_committed):

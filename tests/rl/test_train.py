@@ -38,6 +38,8 @@ EVENT_KEYS = {
     "step": ["start_s", "end_s"],
     "weight_sync": ["start_s", "end_s"],
     "round_end": ["at_s", "learners"],
+    "learner_work": ["backwards", "microbatches", "positions", "trajectory_tokens", "padded_tokens", "busy_cpu_s"],
+    "teacher": ["busy_s", "busy_cpu_s", "turns", "positions"],
 }
 
 
@@ -187,10 +189,20 @@ def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
     assert max_rel(weights(runs["sync"], 2), weights(runs["stream"], 2)) < 1e-9
     items = [e for e in rows(runs["stream"], "events.jsonl") if e["event"] == "item"]
     assert items and all(e["turn"] is not None and e["reward"] is None for e in items)
+    # each turn's way to the learner: closed in the rollout, scored by the teacher, then its backward
+    assert all(e["closed_at_s"] <= e["teacher_start_s"] <= e["finished_at_s"] <= e["backward_start_s"]
+               and e["prefix_tokens"] >= e["tokens"] for e in items)
+    for s in ("sync", "stream"):
+        ev = rows(runs[s], "events.jsonl")
+        work = [e for e in ev if e["event"] == "learner_work"]
+        teacher = [e for e in ev if e["event"] == "teacher"]
+        assert len(work) == len(teacher) == 2
+        # the teacher's forwards cover each trajectory's tokens once (its key/value cache), at most sum T_i
+        assert all(t["positions"] <= w["trajectory_tokens"] for t, w in zip(teacher, work))
     m = rows(runs["stream"], "metrics.jsonl")
     assert all(r["opd_reverse_kl"] is not None and r["peak_mem_teacher_bytes"] for r in m)
     # the overlap itself: some turn's backward ended before its trajectory's last turn was scored
-    traj = lambda e: (e["group_id"], e["sample_index"])  # noqa: E731
+    traj = lambda e: (e["group_id"], e["sample_index"])
     assert early_backwards(rows(runs["stream"], "events.jsonl"), traj, "backward_end_s")
     assert not early_backwards(rows(runs["sync"], "events.jsonl"), traj, "backward_end_s")
 
@@ -413,16 +425,19 @@ def _zombies() -> set[int]:
     return out
 
 
-def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture):
-    """A broken environment is never a reward: the docker executor where no container can start (no docker
-    package or daemon here) exits 1 with one line naming the round, the task and the cause; the learner
-    never steps on it. With rollout.max_env_error_frac=1 the same run trains and counts them per round.
-    The same tasks with the local executor start (test_prepared_dataset_in_real_sandboxes)."""
+def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture, docker_base_image):
+    """A broken environment is never a reward: a task whose prebuilt image is not here and cannot be
+    pulled (no registry) fails to start its container; the run exits 1 with one line naming the round,
+    the task and the cause, and the learner never steps on it. With rollout.max_env_error_frac=1 the
+    same run trains and counts them per round. Images that can be built start (tests/rl/test_train_docker.py)."""
+    import shutil
+
     from typer.testing import CliRunner
 
     from tsrl_cli.cli import app
 
-    prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", tmp_path / "tb")
+    shutil.copytree("tests/fixtures/terminal_bench/hello-world", tmp_path / "src" / "hello-world")  # docker_image set
+    prepare_fixture("terminal-bench", tmp_path / "src", tmp_path / "tb")
     base = ["train", "--set", "model.policy=builtin:toy", "--set", f"data.train=[{tmp_path / 'tb'}]",
             "--set", "rollout.prompts_per_round=1", "--set", "rollout.group_size=2", "--set", "rollout.max_turns=2",
             "--set", "rollout.executor=docker", "--rounds", "1"]

@@ -86,7 +86,8 @@ def list_(
 
     with cli_errors():
         from tsrl_cli.datasets.store import list_datasets, open_dataset
-        from tsrl_cli.envs.tasks import start_dir, task_image
+        from tsrl_cli.envs.images import task_image
+        from tsrl_cli.envs.tasks import start_dir
 
         if dataset is None:
             rows = list_datasets()
@@ -111,3 +112,27 @@ def list_(
         console.print(f"{r['task_id']}\t{r['kind']}\t{r['split']}\t{where}", highlight=False, soft_wrap=True)
     if len(shown) < len(tasks):
         err_console.print(f"[dim]{len(shown)} of {len(tasks)} tasks shown (--limit 0 for all)[/dim]")
+
+
+@env_app.command("base-image",
+                 epilog="Examples:  tsrl env base-image  ·  tsrl train ... --set rollout.executor=docker "
+                        "--base-image ubuntu:24.04=$(tsrl env base-image)")
+def base_image(json_out: JsonOpt = False) -> None:
+    """Build (once; about a minute) or find the local Debian base image, and print its tag.
+
+    For machines that cannot pull from a registry: a task Dockerfile's FROM can be built from it with
+    `--base-image FROM=TAG` (tsrl train, tsrl eval tbench). Made with debootstrap from Debian's
+    packages (python3, pytest, git, bash); needs root, debootstrap and a Docker daemon.
+    Exit codes: 0 the tag is printed, 1 the build failed, 2 no Docker daemon or debootstrap.
+    """
+    from tsrl_cli.console import err_console
+
+    with cli_errors():
+        from tsrl_cli.sandbox.docker import docker_unavailable_reason
+        from tsrl_cli.sandbox.images import ensure_base_image
+
+        reason = docker_unavailable_reason()
+        if reason:
+            raise UsageError(f"tsrl env base-image: {reason}")
+        tag = ensure_base_image(lambda m: err_console.print(f"[dim]· {m}[/dim]", highlight=False))
+    typer.echo(json.dumps({"image": tag}) if json_out else tag)

@@ -120,6 +120,7 @@ def tbench(
     served_model_name: Annotated[str, typer.Option(help="--via-harbor: the model name the server serves (vllm serve --served-model-name).")] = "tsrl-policy",
     harbor_agent: Annotated[str, typer.Option(help="--via-harbor: harbor's agent.")] = "terminus-2",
     harbor_env: Annotated[str, typer.Option(help="--via-harbor: harbor's environment (docker, daytona, modal, e2b, ...).")] = "docker",
+    harbor_in_docker: Annotated[bool, typer.Option("--harbor-in-docker", help="--via-harbor: run harbor in a Debian trixie image built here (Python 3.13, pinned harbor), against this machine's Docker daemon; for machines whose Python is older than 3.12.")] = False,
     agent: Annotated[str, typer.Option(help="policy (the model), oracle (each task's solution/solve.sh) or nop (no action): Harbor's controls.")] = "policy",
     base_image: Annotated[list[str] | None, typer.Option(help="FROM=LOCAL: build Dockerfiles whose FROM is FROM from the local image LOCAL (repeatable; printed and recorded in config.json).")] = None,
     out: OutOpt = None,
@@ -136,10 +137,11 @@ def tbench(
             from tsrl_cli.evals.tbench import run_via_harbor
 
             res = run_via_harbor(dataset=dataset, served_model=served_model_name, endpoint=endpoint, agent=harbor_agent,
-                                 env=harbor_env, workers=workers, limit=limit, instances=_split(instances), out_dir=out)
+                                 env=harbor_env, workers=workers, limit=limit, instances=_split(instances), out_dir=out,
+                                 in_docker=harbor_in_docker, progress=progress_printer(not json_out))
         else:
+            from tsrl_cli.config import parse_base_images
             from tsrl_cli.evals.tbench import run_tbench
-            from tsrl_cli.sandbox.images import parse_base_images
 
             res = run_tbench(model, dataset=dataset, executor=executor, engine=engine, samples=samples,
                              seeds=tuple(seed or (0,)), temperature=temperature, max_turns=max_turns, limit=limit,
@@ -152,8 +154,10 @@ def tbench(
         else:
             from tsrl_cli.console import console
 
-            console.print(f"{res['label']}: harbor exited {res['exit_code']}; results in {res['jobs_dir']} ({res['note']})",
-                          highlight=False, soft_wrap=True)
+            scores = "; ".join(f"{k}: mean {v['mean']} over {v['trials']} trial(s), {v['errors']} error(s)"
+                               for k, v in (res["harbor_scores"] or {}).items())
+            console.print(f"{res['label']}: harbor exited {res['exit_code']}; {scores or 'no result.json'}; results in "
+                          f"{res['jobs_dir']} ({res['note']})", highlight=False, soft_wrap=True)
         raise typer.Exit(0 if res["exit_code"] == 0 else 1)
     _emit(res, json_out)
 

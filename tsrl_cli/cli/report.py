@@ -19,7 +19,7 @@ def report(
     last_round: Annotated[int, typer.Option(help="Last round averaged.")] = 40,
     spread_key: Annotated[str, typer.Option(help="Dotted config.yaml key whose value is an experiment's spread (x of the speedup-vs-spread figure).")] = "rollout.tool_latency_sigma",
     target_reward: Annotated[float | None, typer.Option(help="Reward target for compute-to-target (default: per experiment, the highest rolling reward every run reaches).")] = None,
-    budget_device_s: Annotated[float | None, typer.Option(help="Budget in device-seconds (wall seconds x the devices a run held, from its config) for reward-at-budget (default: per experiment, the smallest total of its runs).")] = None,
+    budget_device_s: Annotated[float | None, typer.Option(help="Budget in device-seconds (wall seconds x the devices a run held, from its config) for reward-at-budget (default: per budget group, the experiments of one workload, the smallest total of its runs).")] = None,
     reward_key: Annotated[str, typer.Option(help="metrics.jsonl key used as the reward (e.g. eval/<dataset>/success).")] = "reward_mean",
     include_partial: Annotated[bool, typer.Option("--include-partial", help="Count runs without DONE (marked partial) instead of skipping them.")] = False,
     json_out: JsonOpt = False,

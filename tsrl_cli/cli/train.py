@@ -53,6 +53,7 @@ def train(
     out: Annotated[str | None, typer.Option(help="Run directory. Default results/<name>/<schedule>/seed<seed>.")] = None,
     save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. Default 0: only at the end.")] = None,
     save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts", help="Write rollouts.jsonl.")] = None,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="rollout.executor docker: FROM_IMAGE=LOCAL_IMAGE, build a task Dockerfile's FROM from a local image (repeatable; config docker.base_images). Printed, and kept in config.yaml.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in the run directory from its last checkpoint.")] = False,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
@@ -69,7 +70,7 @@ def train(
              "loss.adv_norm": adv_norm, "loss.kl_coef": kl_coef, "offpolicy.max_staleness": max_staleness,
              "offpolicy.tis_cap": tis_cap, "lora.rank": lora_rank, "devices.rollout": rollout_devices,
              "devices.learner": learner_devices, "run.out": out, "run.save_every": save_every,
-             "run.save_rollouts": save_rollouts}
+             "run.save_rollouts": save_rollouts, "docker.base_images": tuple(base_image) if base_image else None}
     with cli_errors():
         from tsrl_cli.rl.train import train as run_train
 
@@ -89,7 +90,7 @@ def train(
 
 class TrainDisplay:
     """Progress on stderr: a live bar on a TTY (round, trajectories done / in flight, learner busy %),
-    one plain line per round otherwise, nothing with --json."""
+    one plain line per round otherwise; with --json only the workers' and the preparation's `log` lines."""
 
     def __init__(self, enabled: bool):
         from tsrl_cli.console import err_console
@@ -103,9 +104,11 @@ class TrainDisplay:
         self._round_t0 = None
 
     def __call__(self, ev: dict) -> None:
-        if not self.enabled:
-            return
         kind = ev["event"]
+        if not self.enabled:
+            if kind == "log":  # lines for the user (FROM mapping, image builds, a dead server) reach stderr under --json too
+                self.console.print(f"· {ev['who']}: {ev['line']}", highlight=False, markup=False, soft_wrap=True)
+            return
         if kind in ("start", "round"):
             self._round_t0 = time.monotonic()
         if kind == "start":

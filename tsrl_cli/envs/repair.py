@@ -296,23 +296,25 @@ class RepairEnv(SandboxEnv):
                 Path(tmp, name).write_text(text)
             return sb.run(PRELUDE + command, timeout_s, mounts=[Mount(tmp, _IO)])
 
-    async def play_oracle(self) -> None:
-        """Apply the task's gold patch in the sandbox's repository (SWE-smith rows without a text gold
-        patch: their bug patch, reversed). RuntimeError when it does not apply."""
+    def oracle_command(self) -> str:
+        """One bash command, run in the repository, that applies the task's gold patch (SWE-smith rows
+        without a text gold patch: their bug patch, reversed). The same text is the oracle's model turn
+        in training (rollout.agent oracle)."""
         t = self.task
         patch, reverse = (t.gold_patch, False) if t.gold_patch else (t.bug_patch, True)
         if not patch:
             raise UsageError(f"task {self.task_id} has neither a gold patch nor a bug patch to reverse")
-        if self.docker:
-            res = await asyncio.to_thread(self._exec_with_files, f"git apply {'-R ' if reverse else ''}{_IO}/gold.diff",
-                                          {"gold.diff": patch}, 120.0)
-            if res.exit_code != 0:
-                raise RuntimeError(f"task {self.task_id}: the gold patch does not apply: {res.stderr.strip()[-300:]}")
-            return
-        if not reverse and await asyncio.to_thread(apply_one_line_patch, self.sandbox.workdir, patch):
-            return
         tag = "TSRL_PATCH_" + hashlib.sha256(patch.encode()).hexdigest()[:16]
-        res = await asyncio.to_thread(self.exec, f"git apply {'-R ' if reverse else ''}- <<'{tag}'\n{patch}\n{tag}", 120.0)
+        return f"git apply {'-R ' if reverse else ''}- <<'{tag}'\n{patch}\n{tag}"
+
+    async def play_oracle(self) -> None:
+        """Apply the gold patch where the agent works (oracle_command); RuntimeError when it does not apply."""
+        t = self.task
+        command = self.oracle_command()
+        if not self.docker and t.gold_patch and await asyncio.to_thread(apply_one_line_patch, self.sandbox.workdir,
+                                                                          t.gold_patch):
+            return  # a one-line fix (the embedded tasks) is applied in place, without git
+        res = await asyncio.to_thread(self.exec, command, 120.0)
         if res.exit_code != 0:
             raise RuntimeError(f"task {self.task_id}: the gold patch does not apply: {res.stderr.strip()[-300:]}")
 

@@ -3,7 +3,8 @@
 Start state per executor:
   repair task   local: <dataset>/<start_dir> (embedded tasks ship their repositories); docker: task.image
   terminal task local: a copy of <dataset>/<task_dir>/<environment_dir> (an approximation of the
-                image for tasks whose environment is plain files); docker: task.docker_image
+                image for tasks whose environment is plain files); docker: task.docker_image, else
+                the image built from its Dockerfile (envs/images.py)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import difflib
 from pathlib import Path
 
 from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.envs.images import task_image
 from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
@@ -33,16 +35,13 @@ def start_dir(dataset_dir: Path, task) -> Path | None:
     return dataset_dir / task.task_dir / task.environment_dir
 
 
-def task_image(task) -> str | None:
-    return task.image if task.kind == "repair" else task.docker_image
-
-
-def make_env(task, dataset_dir: Path, *, executor: str = "local", **kw):
-    """The AgentEnv for a task (call `await env.start()` before use)."""
+def make_env(task, dataset_dir: Path, *, executor: str = "local", base_images: dict[str, str] | None = None, **kw):
+    """The AgentEnv for a task (call `await env.start()` before use). base_images: the FROM mapping a
+    terminal task's image was built with (its tag depends on it)."""
     if task.kind == "repair":
         return RepairEnv(task, repo_dir=start_dir(dataset_dir, task), executor=executor, **kw)
-
-    return TerminalEnv(task, dataset_dir, executor=executor, **kw)
+    image = task_image(task, base_images) if executor == "docker" else None
+    return TerminalEnv(task, dataset_dir, executor=executor, image=image, **kw)
 
 
 def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, executor: str = "local",

@@ -21,8 +21,8 @@ never a score of its own for that run.
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -33,10 +33,9 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import yaml
-
 from tsrl_cli.agent.loop import AgentLimits
 from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.envs.images import build_task_images
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
@@ -51,16 +50,19 @@ from tsrl_cli.evals.runner import (
     summarize,
 )
 from tsrl_cli.files import write_json_atomic
-from tsrl_cli.sandbox.images import build_image, task_image_tag
+from tsrl_cli.sandbox.images import HARBOR_VERSION, ensure_harbor_image
 
 DOCKER_LIMITS = AgentLimits(max_turns=50, max_turn_tokens=4096, max_trajectory_tokens=32768, tool_timeout_s=180.0,
                             wall_clock_s=900.0, max_observation_chars=10000)
 HARBOR_HELP = (
-    "`harbor` is not on PATH. Install it in its own Python >= 3.12 environment (`uv tool install harbor`, or "
-    "`python3.12 -m venv ~/.harbor && ~/.harbor/bin/pip install harbor` and put ~/.harbor/bin on PATH), serve the "
-    "policy at an OpenAI-compatible endpoint (`vllm serve MODEL_DIR --served-model-name tsrl-policy --port 8000`), "
-    "then rerun with --via-harbor --endpoint http://127.0.0.1:8000/v1"
+    "`harbor` is not on PATH (it needs Python >= 3.12; this is {python}). Install it in its own environment "
+    "(`uv tool install harbor`, or `python3.12 -m venv ~/.harbor && ~/.harbor/bin/pip install harbor` and put "
+    "~/.harbor/bin on PATH), or add --harbor-in-docker to run it in a Debian trixie image built here (Python 3.13, "
+    "harbor {version}; needs Docker and PyPI once). Agents other than oracle and nop need the policy at an "
+    "OpenAI-compatible endpoint (`vllm serve MODEL_DIR --served-model-name tsrl-policy --port 8000`, then "
+    "--endpoint http://127.0.0.1:8000/v1)"
 )
+NO_MODEL_AGENTS = ("oracle", "nop")  # harbor's control agents: they call no model
 
 
 def label(name: str, source: str, executor: str) -> str:
@@ -69,71 +71,6 @@ def label(name: str, source: str, executor: str) -> str:
     if source == "terminal-bench":
         return f"{name}: Terminal-Bench tasks in their Docker images, tsrl agent loop (not the official Harbor harness)"
     return f"{name}: Harbor-format tasks in their Docker images (not Terminal-Bench)"
-
-
-def image_workdir(environment_dir: Path, default: str = "/app") -> str:
-    """The last WORKDIR of environment/Dockerfile (Harbor images work in /app), else `default`."""
-    df = Path(environment_dir) / "Dockerfile"
-    if not df.is_file():
-        return default
-    found = re.findall(r"^\s*WORKDIR\s+(\S+)\s*$", df.read_text(errors="replace"), flags=re.MULTILINE | re.IGNORECASE)
-    return found[-1] if found and found[-1].startswith("/") else default
-
-
-class DockerTerminalEnv(TerminalEnv):
-    """TerminalEnv in the task's image, every command (the verifier's too) run in the image's WORKDIR."""
-
-    def __init__(self, task, dataset_dir, *, image: str | None = None, **kw):
-        super().__init__(task, dataset_dir, executor="docker", **kw)
-        self.image = image or task.docker_image
-        self.workdir = image_workdir(self.start_path)
-
-    def exec(self, command: str, timeout_s: float, mounts=None):
-        return super().exec(f"cd {self.workdir} && {command}", timeout_s, mounts)
-
-
-def task_images(tasks, dataset_dir: Path, *, base_images: dict[str, str], log_dir: Path,
-                progress: Callable[[str], None]) -> tuple[dict[str, str], dict[str, str]]:
-    """{task id: image} for the docker executor, building from each task's Dockerfile what has no
-    prebuilt `docker_image` (tagged by the task directory's sha256, reused when present; logs in
-    log_dir). Returns that and the FROM mapping the builds used (printed by build_image, recorded by
-    the caller). A TB 1.x docker-compose.yaml is built from its one service's `build` section."""
-    images, used = {}, {}
-    for t in tasks:
-        if t.docker_image:
-            images[t.task_id] = t.docker_image
-            continue
-        ctx, dockerfile = build_context(Path(dataset_dir) / t.task_dir / t.environment_dir, t.task_id)
-        tag = task_image_tag(t.task_id, t.dir_sha256, base_images)
-        used.update(build_image(ctx, tag=tag, what=f"task {t.task_id}", log_path=log_dir / f"{t.task_id}.log",
-                                dockerfile=dockerfile, base_images=base_images, timeout_s=t.build_timeout_s,
-                                progress=progress))
-        images[t.task_id] = tag
-    return images, used
-
-
-def build_context(env_dir: Path, task_id: str) -> tuple[Path, str]:
-    """(context folder, Dockerfile path in it) of a task's environment: its Dockerfile, else the one
-    service of its docker-compose.yaml that has a `build` section."""
-    if (env_dir / "Dockerfile").is_file():
-        return env_dir, "Dockerfile"
-    for name in ("docker-compose.yaml", "docker-compose.yml"):
-        p = env_dir / name
-        if not p.is_file():
-            continue
-        try:
-            doc = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UsageError(f"task {task_id}: {p}: not valid YAML ({str(e).splitlines()[0]})") from None
-        builds = [s["build"] for s in (doc.get("services") or {}).values() if isinstance(s, dict) and s.get("build")]
-        if len(builds) != 1:
-            raise UsageError(f"task {task_id}: {p}: expected one service with a `build` section, found {len(builds)} "
-                             "(multi-container tasks need --via-harbor)")
-        b = builds[0] if isinstance(builds[0], dict) else {"context": builds[0]}
-        ctx = (env_dir / str(b.get("context", "."))).resolve()
-        return ctx, str(b.get("dockerfile", "Dockerfile"))
-    raise UsageError(f"task {task_id}: no Dockerfile or docker-compose.yaml in {env_dir}, and no docker_image "
-                     "in task.toml: nothing to run it in")
 
 
 def _select(dataset: str, limit: int | None, instances: list[str] | None):
@@ -183,8 +120,8 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-{name}-{Path(model_name).name}"
     images: dict[str, str] = {}
     if executor == "docker":  # every task's image before any model is loaded: a failed build is one line
-        images, used = task_images(tasks, ds.path, base_images=base_images or {}, log_dir=out / "builds",
-                                   progress=progress or (lambda m: None))
+        images, used = build_task_images([(ds.path, t) for t in tasks], base_images=base_images or {},
+                                         log_dir=out / "builds", progress=progress or (lambda m: None))
         config["base_images"] = used
         if used:  # not the tasks' own environments: the label says so
             config["label"] = lab = lab + " (FROM mapped to local images)"
@@ -196,7 +133,7 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
 
     def make_env(job):
         if executor == "docker":
-            return DockerTerminalEnv(job.task, job.dataset_dir, image=images[job.task.task_id])
+            return TerminalEnv(job.task, job.dataset_dir, executor="docker", image=images[job.task.task_id])
         return TerminalEnv(job.task, job.dataset_dir, executor="local")
 
     t0 = time.perf_counter()
@@ -212,12 +149,14 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
 
 def harbor_command(task_root: str | Path, *, served_model: str, endpoint: str, jobs_dir: str | Path, job_name: str,
                    agent: str = "terminus-2", env: str = "docker", workers: int = 4,
-                   include: list[str] | None = None, harbor: str = "harbor") -> list[str]:
+                   include: list[str] | None = None, harbor: str | list[str] = "harbor") -> list[str]:
     """`harbor run` on a local folder of Harbor tasks, the model reached through litellm's `openai/`
-    provider at `endpoint` (passed to the agent as api_base)."""
-    cmd = [harbor, "run", "--path", str(task_root), "--agent", agent, "--model", f"openai/{served_model}",
-           "--agent-kwarg", f"api_base={endpoint}", "--n-concurrent", str(workers), "--env", env,
-           "--jobs-dir", str(jobs_dir), "--job-name", job_name]
+    provider at `endpoint` (passed to the agent as api_base; not for oracle and nop, which call none).
+    `harbor`: the executable, or the command that runs it (--harbor-in-docker)."""
+    cmd = [*([harbor] if isinstance(harbor, str) else harbor), "run", "--path", str(task_root), "--agent", agent]
+    if agent not in NO_MODEL_AGENTS:
+        cmd += ["--model", f"openai/{served_model}", "--agent-kwarg", f"api_base={endpoint}"]
+    cmd += ["--n-concurrent", str(workers), "--env", env, "--jobs-dir", str(jobs_dir), "--job-name", job_name]
     for t in include or []:
         cmd += ["--include-task-name", t]
     return cmd
@@ -233,35 +172,81 @@ def endpoint_unreachable_reason(endpoint: str, timeout_s: float = 5.0) -> str | 
         return f"GET {url} failed: {getattr(e, 'reason', e)}"
 
 
+def harbor_in_docker(image: str, task_root: Path, jobs_dir: Path) -> list[str]:
+    """The command that runs harbor in `image` against this machine's Docker daemon: its socket mounted,
+    the tasks (read-only) and the jobs folder at their own absolute paths, so the paths harbor hands
+    the daemon for builds and mounts are the host's."""
+    host = os.environ.get("DOCKER_HOST", "")
+    sock = host.removeprefix("unix://") if host.startswith("unix://") else "/var/run/docker.sock"
+    if shutil.which("docker") is None:
+        raise UsageError("--harbor-in-docker: the `docker` CLI is not on PATH (apt-get install docker.io)")
+    t, j = task_root.resolve(), jobs_dir.resolve()
+    return ["docker", "run", "--rm", "--network", "host", "-v", f"{sock}:/var/run/docker.sock",
+            "-v", f"{t}:{t}:ro", "-v", f"{j}:{j}", "-e", "OPENAI_API_KEY", image, "harbor"]
+
+
+def harbor_scores(job_dir: Path) -> dict | None:
+    """Harbor's own figures from its result.json ({trials, errors, mean} per agent and dataset), or None."""
+    try:
+        stats = json.loads((job_dir / "result.json").read_text())["stats"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return {name: {"trials": e.get("n_trials"), "errors": e.get("n_errors"),
+                   "mean": next((m["mean"] for m in e.get("metrics", []) if "mean" in m), None)}
+            for name, e in (stats.get("evals") or {}).items()}
+
+
 def run_via_harbor(*, dataset: str, served_model: str, endpoint: str, agent: str = "terminus-2", env: str = "docker",
                    workers: int = 4, limit: int | None = None, instances: list[str] | None = None,
-                   out_dir: str | Path | None = None) -> dict:
-    """Delegate to `harbor run` (see module docstring); returns the command, its exit code, its jobs folder."""
+                   out_dir: str | Path | None = None, in_docker: bool = False,
+                   progress: Callable[[str], None] | None = None) -> dict:
+    """Delegate to `harbor run` (see module docstring); returns the command, its exit code, its jobs
+    folder and harbor's own scores. in_docker: harbor in the image of sandbox/images.ensure_harbor_image."""
     ds = _select(dataset, limit, instances)
     name, d, tasks = ds.name, ds.path, ds.tasks
     tb1 = [t.task_id for t in tasks if t.format != "harbor"]
     if tb1:
         raise UsageError(f"{len(tb1)} task(s) are Terminal-Bench 1.x (e.g. {tb1[0]}); harbor runs Harbor-format tasks")
-    exe = shutil.which("harbor")
-    if exe is None:
-        raise UsageError(HARBOR_HELP)
+    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-harbor-{name}-{served_model}"
+    exe: str | list[str] | None = shutil.which("harbor")
+    if in_docker:
+        require_docker("--harbor-in-docker")
+        if env != "docker":
+            raise UsageError(f"--harbor-in-docker runs harbor's docker environment, not --harbor-env {env}")
+        out.mkdir(parents=True, exist_ok=True)
+        image = ensure_harbor_image(out / "builds", progress or (lambda m: None))
+        exe = harbor_in_docker(image, d / "tasks", out / "harbor")
+    elif exe is None:
+        raise UsageError(HARBOR_HELP.format(python=f"Python {sys.version_info[0]}.{sys.version_info[1]}",
+                                            version=HARBOR_VERSION))
     if env == "docker":
         require_docker("harbor --env docker")
-    reason = endpoint_unreachable_reason(endpoint)
-    if reason:
-        raise UsageError(f"no OpenAI-compatible server at {endpoint} ({reason}); serve the policy first, e.g. "
-                         f"`vllm serve MODEL_DIR --served-model-name {served_model} --port 8000`")
-    out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-harbor-{name}-{served_model}"
+    if agent not in NO_MODEL_AGENTS:
+        reason = endpoint_unreachable_reason(endpoint)
+        if reason:
+            raise UsageError(f"no OpenAI-compatible server at {endpoint} ({reason}); serve the policy first, e.g. "
+                             f"`vllm serve MODEL_DIR --served-model-name {served_model} --port 8000`")
     out.mkdir(parents=True, exist_ok=True)
+    (out / "harbor").mkdir(exist_ok=True)
     job_name = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     subset = [t.task_id for t in tasks] if (limit or instances) else None
-    cmd = harbor_command(d / "tasks", served_model=served_model, endpoint=endpoint, jobs_dir=out / "harbor",
-                         job_name=job_name, agent=agent, env=env, workers=workers, include=subset, harbor=exe)
+    cmd = harbor_command((d / "tasks").resolve(), served_model=served_model, endpoint=endpoint,
+                         jobs_dir=(out / "harbor").resolve(), job_name=job_name, agent=agent, env=env, workers=workers,
+                         include=subset, harbor=exe)
     # litellm's openai provider wants a key even when the local server ignores it
     proc_env = {**os.environ, "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "EMPTY")}
-    rc = subprocess.run(cmd, check=False, env=proc_env, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL).returncode
+    job_dir = out / "harbor" / job_name
+    log_path = out / "harbor" / f"{job_name}.log"
+    # harbor's output goes to our stderr line by line (sys.stderr need not be a file) and to its log
+    with open(log_path, "w") as log, subprocess.Popen(cmd, env=proc_env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                      text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            log.write(line)
+            sys.stderr.write(line)
+        rc = proc.wait()
     res = {"via": "harbor", "label": f"{name} via harbor ({agent} agent, scored by harbor)", "command": cmd,
-           "exit_code": rc, "jobs_dir": str(out / "harbor" / job_name),
+           "exit_code": rc, "jobs_dir": str(job_dir), "log": str(log_path), "harbor_scores": harbor_scores(job_dir),
            "note": "scores are harbor's own (its printed table and result.json in jobs_dir); tsrl does not re-score them"}
     write_json_atomic(out / "harbor_run.json", res, sort_keys=True)
     return res

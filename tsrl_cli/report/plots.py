@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 
 SCHEDULE_COLOR = {"sync": "tab:gray", "stream": "tab:blue", "async": "tab:orange"}
+ARM_COLORS = {"sync": ["tab:gray"], "stream": ["tab:blue", "tab:cyan"],
+              "async": ["tab:orange", "tab:red", "tab:brown"]}  # per schedule, one colour per arm
 BAR_COLOR = {"rollout": "tab:green", "backward": "tab:blue", "batch_backward": "tab:blue", "step": "tab:purple",
              "weight_sync": "tab:red", "idle": "none"}
 
@@ -90,6 +92,41 @@ def reward_curves(rows: list[dict], ax) -> None:
                         color=line.get_color(), alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel(rows[0]["reward_key"] if rows else "reward")
+    ax.legend(fontsize=6)
+
+
+def reward_vs_device_s(rows: list[dict], ax) -> None:
+    """Rolling reward against cumulative device-seconds per arm (budget_curve_rows): each seed thin, the
+    mean over seeds per round thick (x: the seeds' mean device-seconds at that round, so it need not pass
+    through the point), the table's reward at the budget (mean ± std over seeds) as a point, and the
+    budget as a dotted line. Budget groups differ by line style."""
+    groups = list(dict.fromkeys(r["budget_group"] for r in rows))
+    arms = list(dict.fromkeys((r["budget_group"], r["experiment"], r["schedule"], r["arm"]) for r in rows))
+    extra = {}  # further arms of one schedule in one group (async with and without TIS) get the next colour
+    for g, exp, sched, arm in arms:
+        k = extra[g, sched] = extra.get((g, sched), -1) + 1
+        palette = ARM_COLORS.get(sched, ["tab:gray"])
+        color = palette[k % len(palette)]
+        ls = ("-", "--", "-.", ":")[groups.index(g) % 4]
+        rs = [r for r in rows if (r["experiment"], r["schedule"]) == (exp, sched)]
+        for seed in dict.fromkeys(r["seed"] for r in rs if r["what"] == "seed"):
+            pts = [r for r in rs if r["what"] == "seed" and r["seed"] == seed]
+            ax.plot([r["device_s"] for r in pts], [r["reward"] for r in pts], color=color, ls=ls, lw=0.5, alpha=0.35)
+        mean = [r for r in rs if r["what"] == "mean"]
+        label = arm if len(groups) == 1 else f"{g}: {arm}"
+        ax.plot([r["device_s"] for r in mean], [r["reward"] for r in mean], color=color, ls=ls, lw=1.8,
+                label=f"{label} (mean over seeds; thin: each seed)")
+        n = sum(a[0] == g for a in arms)
+        dodge = (arms.index((g, exp, sched, arm)) - arms.index(next(a for a in arms if a[0] == g)) - (n - 1) / 2)
+        for r in (r for r in rs if r["what"] == "at budget"):  # dodged sideways by 1.5 % per arm, to stay apart
+            ax.errorbar(r["device_s"] * (1 + 0.015 * dodge), r["reward"], yerr=r["reward_std"] or 0.0, fmt="o",
+                        color=color, capsize=3)
+    for g in groups:
+        budget = next(r["budget_device_s"] for r in rows if r["budget_group"] == g)
+        ax.axvline(budget, color="black", ls=":", lw=1, label="budget" if len(groups) == 1 else f"budget, {g}")
+    kinds = sorted({r["device_kind"] for r in rows if r.get("device_kind")})
+    ax.set_xlabel(f"cumulative device-seconds ({', '.join(kinds) or 'devices unknown'})")
+    ax.set_ylabel(f"{rows[0]['reward_key'] if rows else 'reward'}, mean of the last 5 rounds")
     ax.legend(fontsize=6)
 
 

@@ -63,7 +63,7 @@ class Learner:
         self.device = device or learner_devices(cfg)[0]
         self.grads = self.host = None
         world, rank = self.world, self.rank
-        load = dict(dtype=cfg.model.dtype, lora=cfg.lora, seed=cfg.seed, base=policy_dir)
+        load = {"dtype": cfg.model.dtype, "lora": cfg.lora, "seed": cfg.seed, "base": policy_dir}
         if self.group is None:
             self.model, self.tok = load_policy(init_dir, device=self.device, **load)
         else:  # one rank at a time holds the whole model on the host, then keeps only its shard
@@ -105,13 +105,17 @@ class Learner:
         # stream's micro-batching (learner.microbatch): auto = where a backward has a fixed cost to amortize
         mb = cfg.learner.microbatch
         self.microbatch = mb == "on" or (mb == "auto" and (self.world > 1 or self.device.startswith("cuda")))
+        # OPD under auto without micro-batching (one CPU process): no padded batches across trajectories, but
+        # a trajectory's turns queued together still share one row, whose longest prefix scores them all:
+        # one prefix forward instead of one per turn (results/LOG.md, 2026-12-03)
+        self.coalesce_turns = self.microbatch or (mb == "auto" and cfg.objective == "opd")
 
     # ---- what the schedules use ---------------------------------------------------------------
     def engine(self, plan: RoundPlan, **kw) -> StreamLearner:
         """The round's learner engine on this rank (schedules choose when it runs)."""
         lc = self.cfg.learner
-        opts = dict(max_tokens=lc.max_microbatch_tokens, max_items=lc.max_microbatch_items if self.microbatch else 1,
-                    ref_model=self.ref)
+        opts = {"max_tokens": lc.max_microbatch_tokens, "max_items": lc.max_microbatch_items if self.microbatch else 1,
+                    "ref_model": self.ref}
         opts.update(kw)
         if self.group is not None:
             opts.update(grads=self.grads, rank=self.rank, world=self.world)
@@ -251,7 +255,7 @@ class Learner:
                 "last_arrival": work.last_arrival, "busy_s": work.busy_s + (step["end"] - step["start"]), "step": step,
                 "publish": published, "grad_norm": grad_norm, "model_bytes": self.model_bytes,
                 "trainable_bytes": self.trainable_bytes, "opd_reverse_kl": _reverse_kl(work.rollouts),
-                "microbatches": work.microbatches, "learners": self.world, **ranks,
+                "microbatches": work.microbatches, "learners": self.world, "work": work.work(), **ranks,
             }
             if checkpoint is not None:
                 report["checkpoint"], report["checkpoint_s"] = checkpoint

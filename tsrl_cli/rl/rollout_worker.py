@@ -22,8 +22,9 @@ from collections import Counter
 
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
+from tsrl_cli.agent.oracle import OracleSession
 from tsrl_cli.agent.renderer import ChatMLRenderer
-from tsrl_cli.config import TrainConfig
+from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.engines.base import SamplingParams
 from tsrl_cli.errors import OperationFailed
 from tsrl_cli.policy import load_tokenizer
@@ -59,6 +60,7 @@ class RolloutWorker:
         if ro.engine == "openai":  # remote servers hold whatever they loaded: start them on the run's weights
             self._sync(start_version, -1)
         self.tasks = load_task_table(cfg.data.train, cfg.data.limit)
+        self.base_images = parse_base_images(cfg.docker.base_images)  # the images train() built are tagged by it
         self.sampling = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, seed=cfg.seed)
         self.limits = AgentLimits(max_turns=ro.max_turns, max_turn_tokens=ro.max_turn_tokens,
                                   max_trajectory_tokens=ro.max_trajectory_tokens, tool_timeout_s=ro.tool_timeout_s,
@@ -147,7 +149,10 @@ class RolloutWorker:
             self.out_q.put(TurnClosed(round_, version, spec.group_id, i, k, traj.input_ids[:end],
                                       traj.loss_mask[:end], list(traj.turn_spans), time.monotonic()))
 
-        env = make_task_env(self.tasks[spec.task_key], self.cfg.rollout.executor)
+        env = make_task_env(self.tasks[spec.task_key], self.cfg.rollout.executor, self.base_images)
+        generate = self.pool.generate
+        if self.cfg.rollout.agent == "oracle":  # the task's reference solution as the model's turns
+            generate = OracleSession(self.renderer.tok, env.oracle_command(), version, spec.task_key).generate
         try:
             try:
                 await env.start()
@@ -156,7 +161,7 @@ class RolloutWorker:
                 ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids))
                 return TrajectoryDone(round_, version, ro, spec.task_key, f"env_error: {type(e).__name__}: {e}", 0,
                                       time.monotonic())
-            res = await run_agent(env, self.pool.generate, self.renderer, group_id=spec.group_id, sample_index=i,
+            res = await run_agent(env, generate, self.renderer, group_id=spec.group_id, sample_index=i,
                                   sampling=self.sampling, limits=self.limits, seed_key=(round_, spec.group_id, i),
                                   latency=self.latency, on_turn=on_turn if opd else None)
         finally:

@@ -39,6 +39,8 @@ class RoundWork:
     group_close: list[dict] = field(default_factory=list)
     batch: dict | None = None  # sync/async: the lazy computation after the last arrival
     busy_s: float = 0.0  # forward + backward seconds (the step is added by the learner)
+    busy_cpu_s: float = 0.0  # this process's CPU seconds inside those spans (below busy_s: it shared a core)
+    positions: int = 0  # token positions the backwards covered: rows x width per micro-batch (padding included)
     step_start: float = 0.0  # the gradient's final assembly starts here (stream: close_round)
     loss: float | None = None  # the lazy loss value (this rank's part on a group); stream never forms it
     accumulator_peak_bytes: int = 0
@@ -60,7 +62,9 @@ class RoundWork:
             row = {"id": f"{r.group_id}/{r.sample_index}/t{msg.turn}", "group_id": r.group_id,
                    "sample_index": r.sample_index, "turn": msg.turn, "finished_at": msg.finished_at,
                    "backward_start": None if n else at, "backward_end": None if n else at, "tokens": e - s,
-                   "loss_tokens": n, "staleness": staleness, "reward": None, "share": 1.0}
+                   "loss_tokens": n, "staleness": staleness, "reward": None, "share": 1.0,
+                   # where the turn's time went before the learner: rollout close -> teacher start -> scores
+                   "closed_at": msg.closed_at, "teacher_start": msg.teacher_start, "prefix_tokens": e}
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, msg.turn)] = row
             return
@@ -75,11 +79,14 @@ class RoundWork:
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, None)] = row
 
-    def ran(self, batches, start: float, end: float) -> None:
-        """stream: the items of these micro-batches (one per rank) were backwarded in [start, end).
+    def ran(self, batches, start: float, end: float, cpu_s: float = 0.0) -> None:
+        """stream: the items of these micro-batches (one per rank) were backwarded in [start, end),
+        using cpu_s of this process's CPU time.
         Each item's share of its batch's cost is its share of the batch's loss tokens."""
         self.busy_s += end - start
+        self.busy_cpu_s += cpu_s
         self.microbatches += len(batches)
+        self.positions += sum(b.tokens for b in batches)
         for b in batches:
             total = sum(it.rollout.turn_tokens(it.turn) if it.turn is not None else it.rollout.num_loss_tokens
                         for it in b.items) or 1
@@ -94,13 +101,22 @@ class RoundWork:
         if self._members[r.group_id] == size:
             self.group_close.append({"group_id": r.group_id, "at": at})
 
-    def batched(self, start: float, end: float, padded: bool) -> None:
+    def batched(self, start: float, end: float, padded: bool, cpu_s: float = 0.0) -> None:
         """sync/async: every item was backwarded after the last arrival, in [start, end)."""
         for it in self.items:
             it["backward_start"], it["backward_end"] = start, end
         self.batch = {"start": start, "end": end, "items": len(self.items), "padded": padded,
                       "loss_tokens": sum(r.num_loss_tokens for r in self.rollouts)}
         self.busy_s += end - start
+        self.busy_cpu_s += cpu_s
+
+    def work(self) -> dict:
+        """The learner's work of the round in token positions, beside the two trajectory-level references:
+        every trajectory once (sum T_i) and the lazy padded batch (B x T_max). An OPD turn's row covers its
+        whole prefix, so per-turn streaming computes more than sum T_i: the re-encoding."""
+        lengths = [len(r.input_ids) for r in self.rollouts]
+        return {"positions": self.positions, "trajectory_tokens": sum(lengths),
+                "padded_tokens": len(lengths) * max(lengths, default=0), "busy_cpu_s": self.busy_cpu_s}
 
 
 def _check_on_policy(learner, msg) -> int:
@@ -117,8 +133,9 @@ def learn_stream(learner, plan: RoundPlan) -> RoundWork:
     sl = learner.engine(plan)
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
     # without micro-batching each arrival is taken and backwarded alone, in arrival order: the float32 sums
-    # then depend on that order only, not on how far the learner lags
-    limit = None if learner.microbatch else 1
+    # then depend on that order only, not on how far the learner lags. OPD under `auto` takes what is queued,
+    # and its engine (one row per backward) puts a trajectory's queued turns in one row
+    limit = None if learner.coalesce_turns else 1
     ended = 0
     while ended < plan.num_trajectories or sl.has_work():
         for msg in learner.receive(plan, block=not sl.has_work(), limit=limit):  # the first never waits for company
@@ -135,9 +152,9 @@ def learn_stream(learner, plan: RoundPlan) -> RoundWork:
                 ended += 1
                 work.trajectory_ended(msg.rollout, sizes[msg.rollout.group_id], t)
         if sl.has_work():
-            t0 = now()
+            t0, c0 = now(), time.process_time()
             batches = sl.step()
-            work.ran(batches, t0, now())
+            work.ran(batches, t0, now(), time.process_time() - c0)
         learner.progress(plan.round, work)
     work.step_start = now()
     work.grads = learner.finish(sl)  # the round scalar (1/N, 1/B or 1/C), applied once
@@ -170,7 +187,7 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
     """
     per_item = learner.cfg.sync_batching == "per_item"
     sl = learner.engine(plan, token_weights=token_weights, max_items=1 if per_item else None)
-    t0 = now()
+    t0, c0 = now(), time.process_time()
     for r in sorted(work.rollouts, key=lambda r: r.key):  # arrival order never changes the lazy sum
         if learner.obj.kind == "grpo":
             sl.on_trajectory(r)
@@ -186,8 +203,9 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
     sl.drain()
     work.grads = learner.finish(sl)
     t1 = now()
-    work.batched(t0, t1, padded=not per_item)
+    work.batched(t0, t1, padded=not per_item, cpu_s=time.process_time() - c0)
     work.microbatches = len(sl.batches)
+    work.positions = sum(b.tokens for b in sl.batches)
     work.loss = sl.loss
     work.step_start = t1
     work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes

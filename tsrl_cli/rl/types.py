@@ -76,3 +76,4 @@ class TurnScored:
     turn: int
     closed_at: float  # turn close in the rollout process
     finished_at: float  # scores ready (arrival at the learner's queue)
+    teacher_start: float | None = None  # the teacher started scoring it (after waiting in the teacher's queue)

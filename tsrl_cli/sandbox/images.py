@@ -7,6 +7,10 @@ this machine's CA bundle copied in (so pip inside a container trusts what the ho
 the recipe and the CA bundle: a machine that has the tag skips the build (about 40 s cold here).
 Needs root and Debian's `debootstrap`.
 
+Harbor image (`ensure_harbor_image`): the same from Debian HARBOR_SUITE (Python 3.13, the Docker CLI
+and compose plugin), then `pip install harbor==HARBOR_VERSION` in a build, for `--via-harbor` on
+machines whose Python is older than harbor's 3.12.
+
 Task images (`build_image`): the context folder and its Dockerfile, built by the daemon, tagged by
 the caller (tasks: `task_image_tag`, from the task directory's sha256) and reused when the tag
 exists. The build's output is kept in a log file; a failed build raises ImageBuildFailed, one line
@@ -27,7 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.errors import OperationFailed, UsageError
@@ -40,7 +44,16 @@ BASE_MIRROR = "http://deb.debian.org/debian"
 BASE_PACKAGES = ("python3", "python3-pytest", "python3-venv", "git", "patch", "ca-certificates", "procps")
 BASE_RECIPE = "1"  # bump when the way the root is made changes
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+# `tsrl eval tbench --via-harbor --harbor-in-docker`: harbor needs Python >= 3.12 (Debian trixie has 3.13),
+# and talks to the host's daemon through the Docker CLI and its compose plugin
+HARBOR_VERSION = "0.26.0"
+HARBOR_SUITE = "trixie"
+HARBOR_PACKAGES = ("python3", "python3-venv", "ca-certificates", "docker-cli", "docker-compose", "git")
 _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
+
+
+# the daemon's words when a FROM image had to be pulled and could not be (no registry, no network)
+_PULL_FAILED = re.compile(r"registry|no such host|pull access denied|manifest unknown|dial tcp|not found", re.IGNORECASE)
 
 
 class ImageBuildFailed(OperationFailed):
@@ -72,36 +85,46 @@ def _ca_digest() -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "none"
 
 
+def _root_tag(repo: str, suite: str, packages: tuple[str, ...], *extra: str) -> str:
+    """`<repo>:<suite>-<12 hex>`: a content tag over the suite, packages, recipe, CA bundle and `extra`."""
+    h = hashlib.sha256(json.dumps([suite, sorted(packages), BASE_RECIPE, _ca_digest(), *extra]).encode())
+    return f"{repo}:{suite}-{h.hexdigest()[:12]}"
+
+
 def base_image_tag() -> str:
     """`tsrl-base:<suite>-<12 hex>`: the content tag of the base image this machine would build."""
-    h = hashlib.sha256(json.dumps([BASE_SUITE, sorted(BASE_PACKAGES), BASE_RECIPE, _ca_digest()]).encode())
-    return f"tsrl-base:{BASE_SUITE}-{h.hexdigest()[:12]}"
+    return _root_tag("tsrl-base", BASE_SUITE, BASE_PACKAGES)
 
 
 def ensure_base_image(progress: Callable[[str], None] = lambda m: None) -> str:
     """The base image's tag, built first when this machine lacks it (see the module doc)."""
-    tag = base_image_tag()
+    return _ensure_root_image(base_image_tag(), BASE_SUITE, BASE_PACKAGES, "the base image", progress)
+
+
+def _ensure_root_image(tag: str, suite: str, packages: tuple[str, ...], what: str,
+                       progress: Callable[[str], None]) -> str:
+    """`tag` from `debootstrap --variant=minbase suite` with `packages` and the host's CA bundle, unless present."""
     client = docker_client()
     try:
         if image_exists(client, tag):
             return tag
         exe = shutil.which("debootstrap")
         if exe is None:
-            raise UsageError(f"the base image {tag} is not here and `debootstrap` is missing: "
+            raise UsageError(f"{what} {tag} is not here and `debootstrap` is missing: "
                              "apt-get install debootstrap (Debian), then rerun")
         if os.geteuid() != 0:
-            raise UsageError(f"the base image {tag} is not here, and debootstrap needs root: rerun as root once")
+            raise UsageError(f"{what} {tag} is not here, and debootstrap needs root: rerun as root once")
         t0 = time.monotonic()
-        progress(f"building the base image {tag} from Debian {BASE_SUITE} packages (debootstrap, about a minute)")
+        progress(f"building {what} {tag} from Debian {suite} packages (debootstrap, about a minute)")
         with tempfile.TemporaryDirectory(prefix="tsrl-base-") as tmp:
             root, log = Path(tmp) / "root", Path(tmp) / "debootstrap.log"
             with open(log, "wb") as f:
-                rc = subprocess.run([exe, "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", BASE_SUITE,
+                rc = subprocess.run([exe, "--variant=minbase", f"--include={','.join(packages)}", suite,
                                      str(root), BASE_MIRROR], stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, check=False).returncode
             if rc != 0:
                 tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
-                raise ImageBuildFailed(f"debootstrap of {BASE_SUITE} failed (exit {rc}): {tail[0]}")
+                raise ImageBuildFailed(f"debootstrap of {suite} failed (exit {rc}): {tail[0]}")
             if Path(HOST_CA_BUNDLE).is_file():  # trust what the host trusts (a proxy's CA included)
                 shutil.copyfile(HOST_CA_BUNDLE, root / HOST_CA_BUNDLE.lstrip("/"))
             shutil.rmtree(root / "var/cache/apt/archives", ignore_errors=True)
@@ -112,22 +135,34 @@ def ensure_base_image(progress: Callable[[str], None] = lambda m: None) -> str:
             client.api.import_image_from_file(str(archive), repository=repo, tag=version,
                                               changes=['CMD ["/bin/bash"]', "ENV LANG=C.UTF-8"])
         if not image_exists(client, tag):
-            raise ImageBuildFailed(f"docker import of the base image {tag} left no image")
-        progress(f"base image {tag} built in {time.monotonic() - t0:.0f} s")
+            raise ImageBuildFailed(f"docker import of {what} {tag} left no image")
+        progress(f"{what} {tag} built in {time.monotonic() - t0:.0f} s")
         return tag
     finally:
         client.close()
 
 
-def parse_base_images(items: Iterable[str], where: str = "--base-image") -> dict[str, str]:
-    """["FROM=LOCAL", ...] -> {FROM: LOCAL}; a malformed item is a UsageError naming it."""
-    out: dict[str, str] = {}
-    for it in items:
-        src, eq, dst = it.partition("=")
-        if not eq or not src.strip() or not dst.strip() or any(c.isspace() for c in it):
-            raise UsageError(f"{where} {it!r}: expected FROM_IMAGE=LOCAL_IMAGE, e.g. python:3.11-slim=tsrl-base:bookworm")
-        out[src] = dst
-    return out
+def harbor_image_tag() -> str:
+    """`tsrl-harbor:<version>-<12 hex>`: the image `--harbor-in-docker` runs harbor in."""
+    root = _root_tag("tsrl-harbor-root", HARBOR_SUITE, HARBOR_PACKAGES)
+    return f"tsrl-harbor:{HARBOR_VERSION}-{hashlib.sha256(root.encode()).hexdigest()[:12]}"
+
+
+def ensure_harbor_image(log_dir: Path, progress: Callable[[str], None] = lambda m: None) -> str:
+    """An image with harbor==HARBOR_VERSION in a Python >= 3.12 (Debian HARBOR_SUITE's), the Docker CLI
+    and compose plugin, built here when absent: the Debian root by debootstrap, then pip from PyPI in
+    a build (logs in log_dir/harbor-image.log)."""
+    root = _ensure_root_image(_root_tag("tsrl-harbor-root", HARBOR_SUITE, HARBOR_PACKAGES), HARBOR_SUITE,
+                              HARBOR_PACKAGES, "harbor's Debian root image", progress)
+    tag = harbor_image_tag()
+    with tempfile.TemporaryDirectory(prefix="tsrl-harbor-") as ctx:
+        (Path(ctx) / "Dockerfile").write_text(
+            f"FROM {root}\n"
+            f"RUN python3 -m venv /opt/harbor && /opt/harbor/bin/pip install --no-cache-dir harbor=={HARBOR_VERSION}\n"
+            "ENV PATH=/opt/harbor/bin:$PATH\n")
+        build_image(ctx, tag=tag, what=f"harbor {HARBOR_VERSION}", log_path=Path(log_dir) / "harbor-image.log",
+                    progress=progress)
+    return tag
 
 
 def map_from_lines(dockerfile: str, base_images: dict[str, str]) -> tuple[str, dict[str, str]]:
@@ -208,7 +243,14 @@ def build_image(context: str | Path, *, tag: str, what: str, log_path: str | Pat
             log.write(f"# {'failed' if error else 'built'} in {time.monotonic() - t0:.1f} s\n")
         if error is not None or not image_exists(client, tag):
             line = (error or "no image was tagged").splitlines()[-1][:200]
-            raise ImageBuildFailed(f"{what}: image build failed ({line}); build log: {log_path}")
+            hint = ""
+            if _PULL_FAILED.search(line):  # a FROM image this machine lacks and cannot pull: name the way out
+                missing = [m.group(3) for m in map(_FROM.match, text.splitlines()) if m
+                           and m.group(3) not in used.values() and not image_exists(client, m.group(3))]
+                if missing:
+                    hint = (f"; {missing[0]} is not here and cannot be pulled: build it from a local image with "
+                            f"--base-image {missing[0]}=LOCAL_IMAGE (`tsrl env base-image` makes one)")
+            raise ImageBuildFailed(f"{what}: image build failed ({line}){hint}; build log: {log_path}")
         progress(f"{what}: image {tag} built in {time.monotonic() - t0:.1f} s")
         return used
     finally:
