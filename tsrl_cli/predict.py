@@ -37,10 +37,11 @@ import heapq
 import json
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
+from tsrl_cli.files import read_text, run_events
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,23 @@ class Item:
     finished_at_s: float  # arrival at the learner, seconds since the round started
     learner_cost_s: float  # seconds of learner work (forward + backward) for this item
     tokens: int | None = None  # the item's sequence length (padding-aware batch pricing), when known
+    positions: int | None = None  # token positions of this item's own backward (GRPO: T_i; OPD turn: prefix + turn)
+    trajectory: str | None = None  # OPD: the trajectory of this turn (its queued turns share one backward)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a sync trace cannot show about stream on this machine, fitted on paired runs (tsrl calibrate).
+
+    Stream's backward over p positions costs cost_scale * (sync batch seconds / batch positions) * p
+    + per_backward_s; while any learner computes, the rollout side progresses at 1 / (1 + rollout_slowdown)
+    of its speed (learner and rollout sharing cores or a host; 0 where each has its own devices).
+    The identity (1, 0, 0) prices stream's backwards at the sync batch's per-position cost, for free.
+    """
+
+    cost_scale: float = 1.0
+    per_backward_s: float = 0.0
+    rollout_slowdown: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,7 @@ class RoundTrace:
     measured_step_s: float | None = None  # the run's own step time, when the trace comes from a run
     batch_work_s: float | None = None  # sync traces: the measured padded batch backward (seconds)
     rollout_s: float | None = None  # the rollout side's generation time of this round (`rollout` event)
+    batch_positions: int | None = None  # sync traces: token positions the batch backward computed (`learner_work`)
 
 
 @dataclass(frozen=True)
@@ -75,15 +94,48 @@ class Trace:
 # ---------------------------------------------------------------------------- the model
 
 
-def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1) -> float:
-    """When the last item's work ends, each item on the first free learner, in arrival order."""
-    free = [(0.0, k) for k in range(learners)]  # (time the learner is free, learner index)
-    end = 0.0
-    for it in sorted(items, key=lambda i: i.finished_at_s):
-        t_free, k = heapq.heappop(free)
-        done = max(it.finished_at_s, t_free) + it.learner_cost_s
-        heapq.heappush(free, (done, k))
-        end = max(end, done)
+def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1, *, rollout_slowdown: float = 0.0,
+               per_backward_s: float = 0.0, coalesce: bool = False) -> float:
+    """When the last item's work ends, each item on the first free learner, in arrival order.
+
+    rollout_slowdown c: arrival times are the rollout's own (uncontended) clock, which advances at
+    1 / (1 + c) of real time while any learner computes. per_backward_s: added to every backward.
+    coalesce: a learner that takes an item also takes the queued items of its trajectory, in one
+    backward that costs the most expensive of them (an OPD row over the latest turn's prefix).
+    With the defaults this is FIFO list scheduling: start = max(arrival, first free learner).
+    """
+    arrivals = sorted(items, key=lambda i: i.finished_at_s)
+    free = [0.0] * learners  # when each learner is next free (real seconds)
+    queue: list[Item] = []
+    t = v = end = 0.0  # real time, the rollout's clock, the last backward's end
+    n, k = len(arrivals), 0
+    while k < n or queue:
+        idle = [j for j in range(learners) if free[j] <= t]
+        while queue and idle:  # start work on every idle learner
+            head = queue.pop(0)
+            taken = [head]
+            if coalesce and head.trajectory is not None:
+                taken += [i for i in queue if i.trajectory == head.trajectory]
+                queue = [i for i in queue if i.trajectory != head.trajectory]
+            j = idle.pop(0)
+            free[j] = t + max(i.learner_cost_s for i in taken) + per_backward_s
+            end = max(end, free[j])
+        if k == n:  # nothing left to arrive: the queue waits for learners only
+            if queue:
+                t = min(f for f in free if f > t)
+            continue
+        busy = [f for f in free if f > t]
+        rate = 1.0 / (1.0 + rollout_slowdown) if busy else 1.0
+        t_arrive = t + max(0.0, arrivals[k].finished_at_s - v) / rate
+        t_free = min(busy) if busy else math.inf
+        if t_arrive <= t_free:
+            t, v = t_arrive, max(v, arrivals[k].finished_at_s)
+            while k < n and arrivals[k].finished_at_s <= v:
+                queue.append(arrivals[k])
+                k += 1
+        else:
+            v += (t_free - t) * rate
+            t = t_free
     return end
 
 
@@ -96,11 +148,15 @@ def padding_factor(items) -> float | None:
 
 
 def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1,
-                  batch_work_s: float | None = None, rollout_s: float | None = None) -> dict:
+                  batch_work_s: float | None = None, rollout_s: float | None = None,
+                  calibration: Calibration | None = None, batch_positions: int | None = None) -> dict:
     """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling.
 
     `batch_work_s`: the lazy batch backward's measured seconds (sync traces); otherwise it is the
     items' work scaled by the padding factor when the items carry token counts, else their work.
+    `calibration` (sync traces with item positions): stream's backwards are priced per position from
+    the batch (batch_work_s / batch_positions), with the calibration's scale, per-backward cost and
+    rollout slowdown; the other schedules are as without it.
     """
     makespan = max(0.0, max((i.finished_at_s for i in items), default=0.0))  # async items may predate the round
     work = sum(i.learner_cost_s for i in items)
@@ -109,7 +165,10 @@ def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int
         batch_work_s = work * pf if pf is not None else work
     batch_per_learner = batch_work_s / learners
     t_sync = makespan + batch_per_learner + step_s + sync_s
-    t_stream = drain_time(items, learners) + step_s + sync_s
+    if calibration is None:
+        t_stream = drain_time(items, learners) + step_s + sync_s
+    else:
+        t_stream = calibrated_drain(items, learners, batch_work_s, batch_positions, calibration) + step_s + sync_s
     t_async = max(makespan if rollout_s is None else rollout_s, batch_per_learner + step_s) + sync_s
     return {
         "items": len(items), "learners": learners, "makespan_s": makespan, "work_s": work,
@@ -118,6 +177,25 @@ def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int
         "speedup": _ratio(t_sync, t_stream), "speedup_async": _ratio(t_sync, t_async),
         "ceiling": ceiling(makespan, work, batch_work_s, learners, step_s + sync_s),
     }
+
+
+def calibrated_drain(items, learners: int, batch_work_s: float, batch_positions: int | None,
+                     cal: Calibration) -> float:
+    """Stream's drain from a sync round's items, priced per position (Calibration's docstring)."""
+    pos = [i.positions for i in items]
+    if any(p is None for p in pos):
+        raise UsageError("a calibrated prediction needs each item's backward positions (a sync run's events.jsonl "
+                         "with `tokens`, and `prefix_tokens` for OPD turns)")
+    if not batch_positions:
+        traj: dict = {}  # the lazy batch: one padded row per trajectory (GRPO: each item is one)
+        for i in items:
+            key = i.trajectory if i.trajectory is not None else id(i)
+            traj[key] = max(traj.get(key, 0), i.positions)
+        batch_positions = len(traj) * max(traj.values())
+    per_pos = batch_work_s / batch_positions
+    priced = [replace(i, learner_cost_s=cal.cost_scale * per_pos * i.positions) for i in items]
+    return drain_time(priced, learners, rollout_slowdown=cal.rollout_slowdown, per_backward_s=cal.per_backward_s,
+                      coalesce=True)
 
 
 def ceiling(makespan_s: float, work_s: float, batch_work_s: float, learners: int = 1,
@@ -154,7 +232,7 @@ def _ratio(a: float, b: float) -> float | None:
 
 def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | None = None,
                   learners: int | None = None, learner_speed: float = 1.0, tool_speed: float = 1.0,
-                  spread: float = 1.0, warmup: int = 4) -> dict:
+                  spread: float = 1.0, warmup: int = 4, calibration: Calibration | None = None) -> dict:
     """Predict every round of a trace; the summary averages rounds after the warm-up.
 
     Flags override the trace's own step/sync/learner values; what the trace lacks defaults to
@@ -168,7 +246,10 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
             raise UsageError(f"{name} must be >= 0 (got {v})")
     knobs = {k: v for k, v in (("learners", learners), ("learner_speed", learner_speed),
                                ("tool_speed", tool_speed), ("spread", spread)) if v not in (None, 1.0)}
-    rounds = predict_rounds(trace, step_s=step_s, sync_s=sync_s)
+    rounds = predict_rounds(trace, step_s=step_s, sync_s=sync_s, calibration=calibration)
+    if knobs and calibration is not None:
+        raise UsageError("--calibration and the what-if knobs do not combine: the calibration was fitted on "
+                         "this machine as traced")
     if knobs:
         for row, r in zip(rounds, trace.rounds):
             row["as_traced"] = {k: row[k] for k in ("sync_s", "stream_s", "async_s", "speedup")}
@@ -186,6 +267,7 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
         if len(rounds) > 1:
             note = f"no round after the warm-up (rounds 1-{warmup}): every round is counted"
     doc = {"source": trace.source, "kind": trace.kind, "schedule": trace.schedule, "what_if": knobs,
+           "calibration": None if calibration is None else asdict(calibration),
            "rounds_counted": [r["round"] for r in counted], "note": note}
     keys = ("makespan_s", "work_s", "batch_work_s", "optimizer_step_s", "weight_sync_s", "sync_s", "stream_s",
             "async_s")
@@ -206,9 +288,13 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
     return doc
 
 
-def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | None = None) -> list[dict]:
+def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | None = None,
+                   calibration: Calibration | None = None) -> list[dict]:
     """predict_round for every round as recorded; with the measured step time and the error
     (predicted under the trace's own schedule minus measured, in % of measured) where known."""
+    if calibration is not None and trace.schedule != "sync":
+        raise UsageError(f"--calibration predicts stream from a sync run's trace; {trace.source} was recorded "
+                         f"under {trace.schedule or 'no schedule (a minimal trace)'}")
     rows = []
     for r in trace.rounds:
         st = step_s if step_s is not None else (r.step_s or 0.0)
@@ -217,7 +303,8 @@ def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | No
         if bw is None and not trace.padded_sync:  # sync_batching per_item: sync does the items' own work
             bw = sum(i.learner_cost_s for i in r.items)
         row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=bw,
-                                                 rollout_s=r.rollout_s)}
+                                                 rollout_s=r.rollout_s, calibration=calibration,
+                                                 batch_positions=r.batch_positions)}
         if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
             pred = row[f"{trace.schedule}_s"]
             row.update(measured_s=r.measured_step_s, predicted_s=pred,
@@ -267,7 +354,7 @@ def streaming_gain(run_dir: str | Path) -> dict:
     if not rows:
         return {**out, "reason": f"{root}: no rounds in metrics.jsonl"}
     trace, trace_error = None, None
-    if (root / "events.jsonl").is_file():
+    if run_events(root).is_file():
         try:
             trace = load_trace(root)
         except UsageError as e:
@@ -321,7 +408,7 @@ def load_trace(path: str | Path) -> Trace:
     """A run directory, an events.jsonl, or a minimal trace (.csv, or JSONL rows without `event`)."""
     p = Path(path)
     if p.is_dir():
-        ev = p / "events.jsonl"
+        ev = run_events(p)
         if not ev.is_file():
             raise UsageError(f"{p}: not a run directory (no events.jsonl)")
         trace = _from_events(ev, _read_jsonl(ev), metrics=p / "metrics.jsonl", kind="run")
@@ -351,7 +438,7 @@ def _sync_batching(config: Path) -> str | None:
 
 def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
     out = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(p).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -414,7 +501,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
     for n, row in rows:
         r = rounds.setdefault(int(_num(p, n, row, "round")), {
             "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
-            "end": None, "stale": False, "padded": True, "rollout": None})
+            "end": None, "stale": False, "padded": True, "rollout": None, "positions": None})
         ev = row.get("event")
         if ev == "item":
             r["items"].append((n, row))
@@ -428,6 +515,8 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
             r[k] = (r[k] or 0.0) + _span(p, n, row)
         elif ev == "rollout":
             r["rollout"] = _span(p, n, row, allow_negative=True)
+        elif ev == "learner_work" and row.get("positions"):
+            r["positions"] = (r["positions"] or 0) + int(row["positions"])
         elif ev == "round_end":
             r["end"] = _num(p, n, row, "at_s", required=False)
             r["learners"] = int(row["learners"]) if row.get("learners") else None
@@ -449,7 +538,8 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
         if not r["items"]:
             continue
         out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k),
-                              r["batch"] if r["has_batch"] else None, r["rollout"]))
+                              r["batch"] if r["has_batch"] else None, r["rollout"],
+                              r["positions"] if r["has_batch"] else None))
     return Trace(str(p), kind, schedule, tuple(out), measured_from)
 
 
@@ -475,7 +565,19 @@ def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
             total = sum(tokens)
             shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
             costs = [r["batch"] * s for s in shares]
-    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t) for (n, row), c, t in zip(rows, costs, lengths))
+    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t, *_backward_of(p, n, row))
+                 for (n, row), c, t in zip(rows, costs, lengths))
+
+
+def _backward_of(p: Path, n: int, row: dict) -> tuple[int | None, str | None]:
+    """(positions, trajectory) of the item's own stream backward: a trajectory's tokens (GRPO), or an
+    OPD turn's prefix plus the turn, keyed by its trajectory; None where the event lacks them."""
+    tok = _num(p, n, row, "tokens", required=False)
+    if row.get("turn") is None:
+        return (int(tok) if tok else None), None
+    pre = _num(p, n, row, "prefix_tokens", required=False)
+    pos = int(pre + tok) if pre is not None and tok is not None else None
+    return pos, f"{row.get('group_id')}/{row.get('sample_index')}"
 
 
 def streaming_of(run_dir: str | Path) -> dict:

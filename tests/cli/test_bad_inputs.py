@@ -82,6 +82,8 @@ CASES = [
     ("sweep experiments/smoke/tiny_cpu.yaml --schedules fast --dry-run", "--schedules"),
     ("predict --trace {t}/nonexistent", "not found"),
     ("predict --trace {t}/corrupt.jsonl", "not JSON"),
+    ("calibrate {t}/nonexistent --out {t}/out", "not a folder"),
+    ("calibrate {t}/plain_dir --out {t}/out", "no paired sync/stream rounds"),
     ("report {t}/nonexistent", "not found"),
     ("report {t} --warmup 40", "--warmup"),
     ("eval embedded --model {t}/nonexistent --out {t}/out", "no policy directory"),
@@ -97,7 +99,7 @@ CASES = [
     ("eval tbench --dataset {t}/dataset --executor mars --model x --out {t}/out", "--executor"),
 ]
 COMMANDS = {"verify", "prepare-data", "data show", "data check", "env exec", "env list", "policy probe", "train",
-            "bench speedup", "sweep", "predict", "report", "eval embedded", "eval swebench", "eval tbench", "serve"}
+            "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench", "serve"}
 
 
 @pytest.fixture(scope="module")

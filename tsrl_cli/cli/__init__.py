@@ -18,7 +18,7 @@ from tsrl_cli.cli.doctor import DOCTOR_EPILOG, doctor
 from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
-from tsrl_cli.cli.predict import predict
+from tsrl_cli.cli.predict import calibrate, predict
 from tsrl_cli.cli.report import report
 from tsrl_cli.cli.serve import SERVE_EPILOG, serve
 from tsrl_cli.cli.sweep import SWEEP_EPILOG, sweep
@@ -53,6 +53,11 @@ app.command(
     epilog="Examples:  tsrl predict --trace results/spread/stream/seed42  ·  tsrl predict --trace trace.csv --step-s 0.5 --json"
            "  ·  tsrl predict --trace run/events.jsonl --learners 2 --spread 2",
 )(predict)
+app.command(
+    "calibrate",
+    epilog="Examples:  tsrl calibrate results/spread_balanced --out results/calibration  ·  "
+           "tsrl predict --trace results/x/sync/seed42 --calibration results/calibration/calibration.json",
+)(calibrate)
 app.command(
     "report",
     epilog="Examples:  tsrl report  ·  tsrl report results --out results/report --spread-key rollout.tool_latency_sigma --json",

@@ -21,6 +21,7 @@ def predict(
     tool_speed: Annotated[float, typer.Option(help="What if: rollouts X times faster (arrival times / X).")] = 1.0,
     spread: Annotated[float, typer.Option(help="What if: arrival deviations from the median arrival times X (clipped at 0).")] = 1.0,
     warmup: Annotated[int, typer.Option(help="Rounds 1..N are warm-up: left out of the summary when later rounds exist.")] = 4,
+    calibration: Annotated[str | None, typer.Option(help="A calibration.json from `tsrl calibrate`: predict stream from a sync run's trace with this machine's fitted terms.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Predict step time under sync, stream and async, the speedup (sync / stream) and its ceiling.
@@ -34,8 +35,14 @@ def predict(
     with cli_errors():
         from tsrl_cli.predict import load_trace, predict_trace
 
-        res = predict_trace(load_trace(trace), step_s=step_s, sync_s=sync_s, learners=learners,
-                            learner_speed=learner_speed, tool_speed=tool_speed, spread=spread, warmup=warmup)
+        tr = load_trace(trace)
+        cal = None
+        if calibration is not None:
+            from tsrl_cli.report.calibrate import load_calibration
+
+            cal = load_calibration(calibration, "opd" if any(i.trajectory for r in tr.rounds for i in r.items) else "grpo")
+        res = predict_trace(tr, step_s=step_s, sync_s=sync_s, learners=learners, learner_speed=learner_speed,
+                            tool_speed=tool_speed, spread=spread, warmup=warmup, calibration=cal)
     if json_out:
         typer.echo(json.dumps(res))
     else:
@@ -50,6 +57,8 @@ def _render(console, res: dict) -> None:
 
     head = f"tsrl predict: {res['source']} ({res['kind']}" + (f", recorded under {res['schedule']}" if res["schedule"] else "") + ")"
     console.print(f"[bold]{head}[/bold]", highlight=False, soft_wrap=True)
+    if res.get("calibration"):
+        console.print("calibrated: " + ", ".join(f"{k}={v:.4g}" for k, v in res["calibration"].items()), highlight=False)
     if res["what_if"]:
         console.print("what if: " + ", ".join(f"{k}={v}" for k, v in res["what_if"].items()), highlight=False)
     rounds = res.get("rounds", [])
@@ -81,3 +90,37 @@ def _render(console, res: dict) -> None:
     console.print(t)
     if res.get("note"):
         console.print(f"[dim]{res['note']}[/dim]", highlight=False)
+
+
+def calibrate(
+    runs: Annotated[list[str], typer.Argument(help="Results trees of <experiment>/<schedule>/seed<k>/ runs with sync and stream runs of the same experiments and seeds.")],
+    *,
+    out: Annotated[str, typer.Option(help="Folder for calibration.json (and the held-out evaluation).")],
+    heldout_by: Annotated[str, typer.Option(help="Judge out of sample, leaving one group out: seed, experiment, or none.")] = "seed",
+    warmup: Annotated[int, typer.Option(help="Rounds 1..N are warm-up: not paired.")] = 4,
+    spread_key: Annotated[str, typer.Option(help="Config key plotted as the spread in residuals.png.")] = "rollout.tool_latency_sigma",
+    json_out: JsonOpt = False,
+) -> None:
+    """Fit what a sync trace cannot show about stream on this machine (cost per position of a stream
+    backward, a fixed cost per backward, the rollout's slowdown while the learner computes), per objective,
+    on paired sync/stream rounds; with --heldout-by, report the error of predictions from the sync trace
+    alone on rounds the fit did not see."""
+    from tsrl_cli.console import console
+
+    with cli_errors():
+        from tsrl_cli.report.calibrate import calibrate as run
+
+        res = run(runs, out, warmup=warmup, heldout_by=None if heldout_by == "none" else heldout_by,
+                  spread_key=spread_key, progress=lambda m: console.print(f"[dim]{m}[/dim]", highlight=False) if not json_out else None)
+    if json_out:
+        typer.echo(json.dumps(res))
+        return
+    for obj, c in res["calibration"]["objectives"].items():
+        console.print(f"{obj}: {c['rows']} paired rounds; cost_scale {c['cost_scale']:.3g}, per_backward_s "
+                      f"{c['per_backward_s']:.3g}, rollout_slowdown {c['rollout_slowdown']:.3g}; in-sample mean abs "
+                      f"error {c['fit_mean_abs_error_pct']:.2f} %", highlight=False)
+    if res["heldout"]:
+        for obj, h in res["heldout"]["summary"].items():
+            console.print(f"held out by {res['heldout']['by']}, {obj}: mean abs error {h['mean_abs_error_pct']:.2f} % over "
+                          f"{h['rows']} rounds (uncalibrated {h['identity_mean_abs_error_pct']:.2f} %)", highlight=False)
+    console.print(f"wrote {res['out']}/calibration.json", highlight=False)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from tsrl_cli.files import read_text, run_events
+
 RUN = ["experiment", "schedule", "seed"]
 _SEED_DIR = re.compile(r"seed(-?\d+)$")
 
@@ -57,7 +59,7 @@ class Run:
 
     @property
     def events_path(self) -> Path:
-        return self.path / "events.jsonl"
+        return run_events(self.path)
 
     @property
     def name(self) -> str:
@@ -188,7 +190,7 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
 def read_jsonl(p: Path) -> tuple[list[dict], int]:
     """Rows that parse as JSON objects, and how many lines did not (a run may be mid-write)."""
     rows, bad = [], 0
-    for line in p.read_text().splitlines():
+    for line in read_text(p).splitlines():
         if not line.strip():
             continue
         try:

@@ -10,6 +10,10 @@ import statistics
 SCHEDULE_COLOR = {"sync": "tab:gray", "stream": "tab:blue", "async": "tab:orange"}
 ARM_COLORS = {"sync": ["tab:gray"], "stream": ["tab:blue", "tab:cyan"],
               "async": ["tab:orange", "tab:red", "tab:brown"]}  # per schedule, one colour per arm
+# the paper's speedup against spread (ThunderSyncRL technical report; 8 B200, Qwen-3.8-27B): only the two
+# ends are stated, not the spread values, so the figure draws them at the ends of our spread axis
+PAPER_SPREAD = {"grpo": (1.58, 1.95), "opd": (1.73, 1.94)}
+OBJECTIVE_MARKER = {"grpo": "o", "opd": "s"}
 BAR_COLOR = {"rollout": "tab:green", "backward": "tab:blue", "batch_backward": "tab:blue", "step": "tab:purple",
              "weight_sync": "tab:red", "idle": "none"}
 
@@ -31,6 +35,11 @@ def speedup_vs_spread(rows: list[dict], ax) -> None:
         pred = [(r["spread"], r["predicted_speedup"]) for r in rs if r.get("predicted_speedup") is not None]
         if pred:
             ax.plot(*zip(*pred), ls="--", marker="x", color=color, alpha=0.7, label=f"{obj or '?'} {sched} (model)")
+    xs = [r["spread"] for r in rows]
+    for obj in dict.fromkeys(r["objective"] for r in rows if r["objective"] in PAPER_SPREAD):
+        lo, hi = PAPER_SPREAD[obj]
+        ax.plot([min(xs), max(xs)], [lo, hi], ls="-.", color="black", marker=OBJECTIVE_MARKER[obj], alpha=0.5,
+                label=f"paper {obj}: {lo}x -> {hi}x (8 B200, 27B; its spread values not stated)")
     # 2x bounds the overlap when sync and stream do the same learner work; against a padded sync batch
     # (sync_batching padded) stream also saves the padding, and measured speedups can pass 2
     ax.axhline(2.0, color="black", ls=":", lw=1, label="2x overlap ceiling (equal learner work)")
@@ -139,3 +148,18 @@ def memory_bars(rows: list[dict], ax) -> None:
            color=[SCHEDULE_COLOR.get(r["schedule"], "tab:gray") for r in rs])
     ax.set_xticks(list(x), labels=[f"{r['experiment']}\n{r['schedule']}" for r in rs], fontsize=6, rotation=30)
     ax.set_ylabel("learner peak memory (GB)")
+
+
+def prediction_residuals(rows: list[dict], axes, spread_key: str) -> None:
+    """Held-out prediction error per round against the sync round's balance (W/M) and the spread."""
+    colors = {"grpo": "tab:blue", "opd": "tab:orange"}
+    for ax, key, label in ((axes[0], "balance", "balance: sync learner work / makespan (W/M)"),
+                           (axes[1], "spread", spread_key)):
+        for obj in dict.fromkeys(r["objective"] for r in rows):
+            rs = [r for r in rows if r["objective"] == obj and r.get(key) is not None]
+            ax.scatter([r[key] for r in rs], [r["error_pct"] for r in rs], s=6, alpha=0.5,
+                       color=colors.get(obj), label=f"{obj} ({len(rs)} rounds)")
+        ax.axhline(0.0, color="black", lw=0.8)
+        ax.set_xlabel(label)
+    axes[0].set_ylabel("predicted - measured stream step (% of measured)")
+    axes[0].legend(fontsize=7)
