@@ -12,6 +12,10 @@
 #   4. tsrl bench speedup on the toy workload with the processes on cuda:0 (labelled toy scale)
 #   5. two stream rounds with the vllm engine (where vLLM is installed) and with hf, on cuda:0: round 2's
 #      behavior log-probs against the learner's under the round-1 checkpoint, and generation tokens/s
+# Steps 1, 4 and 5 (and step 2's OPD run) put the rollout engine and the learner's rank 0 on cuda:0. NCCL
+# refuses two ranks of one communicator on one GPU, so the weight bus's auto backend joins co-located
+# members over gloo through host copies (rl/weightbus.py choose_backend); step 2's GRPO run puts the
+# engine on GPU 1 and the learner's rank 0 on GPU 0, so with >= 2 GPUs the bus also runs over NCCL.
 set -u -o pipefail
 OUT_DIR=${1:-${OUT:-results/gpu}}
 mkdir -p "$OUT_DIR"
@@ -39,8 +43,8 @@ EOF
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 run pytest_cuda 240 $PY -m pytest -q -p no:cacheprovider tests/rl/test_lora_devices.py -x
 if [ "${NGPU:-0}" -ge 2 ]; then
-  run group_exact_grpo 240 $PY experiments/group_exact.py --learners 0,1 --rollout 0
-  run group_exact_opd_lora 240 $PY experiments/group_exact.py --learners 0,1 --rollout 0 --objective opd --lora-rank 8
+  run group_exact_grpo 240 $PY experiments/group_exact.py --learners 0,1 --rollout 1  # bus: NCCL, cuda:0 -> cuda:1
+  run group_exact_opd_lora 240 $PY experiments/group_exact.py --learners 0,1 --rollout 0 --objective opd --lora-rank 8  # bus: gloo
 else
   echo "=== group_exact: skipped, $NGPU GPU(s) here (a learner group needs 2)"
 fi

@@ -38,7 +38,7 @@ def docker_base_image():
     """
     import os
 
-    from tsrl_cli.sandbox.docker import docker_unavailable_reason
+    from tsrl_cli.sandbox.docker_client import docker_unavailable_reason
 
     reason = docker_unavailable_reason()
     if reason:

@@ -224,6 +224,24 @@ def test_opd_checks_teacher_device_and_model(facts):
     assert not [c for c in grpo if "teacher" in c.what]  # GRPO has no teacher
 
 
+def test_weight_bus_over_nccl_needs_a_gpu_per_member(facts):
+    """Co-located members: auto picks gloo (no bus check); a forced NCCL bus is flagged with what is wrong."""
+    colocated = ["devices.rollout=0", "devices.learner=0"]
+    assert not [c for c in plan_checks(load_config(TINY, colocated), node(facts)) if "weight bus" in c.what]
+    forced = plan_checks(load_config(TINY, [*colocated, "rollout.weight_sync_backend=nccl"]), node(facts))
+    c = by_what(forced, "rollout.weight_sync_backend nccl")
+    assert not c.ok and "cuda:0 holds learner and engine" in c.detail and "weight_sync_backend=auto" in c.fix
+    assert all(x.ok for x in forced if x is not c)  # the bus is the only problem on a node of 8
+    disjoint = plan_checks(load_config(TINY, ["devices.rollout=0", "devices.learner=1"]), node(facts))
+    assert by_what(disjoint, "rollout.weight_sync_backend auto").ok
+    assert not by_what(plan_checks(load_config(TINY, ["devices.rollout=0", "devices.learner=1"]),
+                                   node(facts, nccl=False)), "rollout.weight_sync_backend auto").ok
+    res = run(TINY, "--set", "rollout.weight_sync_backend=nccl", "--json")  # CPU members, NCCL forced: exit 1
+    assert res.exit_code == 1
+    [bad] = [c for c in json.loads(res.stdout)["checks"] if not c["ok"]]
+    assert bad["what"].startswith("rollout.weight_sync_backend nccl") and "learner (cpu)" in bad["detail"]
+
+
 # ---------------------------------------------------------------------------- models and datasets
 
 

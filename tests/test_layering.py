@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "tsrl_cli"
 LAZY_OK = {"vllm", "peft", "docker", "matplotlib", "swebench", "datasets", "huggingface_hub", "tensorboard", "wandb"}
 # (file, module) imported inside a function on purpose, with the reason
 LAZY_EXCEPTIONS = {("processes.py", "torch"): "OpenMP reads OMP_NUM_THREADS when torch loads: thread_env() first",
-                   ("trackers.py", "torch"): "torch.utils.tensorboard imports the optional tensorboard package"}
+                   ("trackers.py", "torch"): "torch.utils.tensorboard imports the optional tensorboard package",
+                   ("devices.py", "torch"): "config.py parses device specs: predict and report load configs without torch"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -224,3 +225,192 @@ def test_one_error_to_exit_helper():
                     and isinstance(n.args[0], ast.Constant) and n.args[0].value == 2:
                 found.add(rel)
     assert found == {"cli/_errors.py", "cli/__init__.py"}
+
+
+# The run directory's file names (docs/run-directory.md), and the results tree's sweep.json: every
+# reader and writer takes them from rundir.py, so the contract has one home. Left out, each with one
+# home of its own: a checkpoint's contents (optimizer.pt: learner_worker.py; adapter/: policy.py),
+# tensorboard/ and wandb/ (trackers.py; the names are also packages') and builds/ (train.py's docker
+# builds; tbench names its own folders so too). The round-<k> prefix needs "checkpoints" beside it.
+RUN_FILES = {"config.yaml", "metrics.jsonl", "events.jsonl", "rollouts.jsonl", "checkpoints", "state.json", "DONE",
+             "eval_round0.json", "processes.json", "sweep.json"}
+
+
+def run_file_literals(tree) -> list[tuple[int, str, str]]:
+    """(line, string, run file) for each string constant naming a run file as a path: the whole
+    string, or a part between slashes ("checkpoints/round-1", f"{root}/DONE"), plain or .gz. A name
+    among words is a message to a person ("no events.jsonl in the run") and opens nothing, so plain
+    and f-string messages may name files; docstrings are prose too. Comments are not in the tree."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return sorted((n.lineno, n.value, name) for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+                  for name in {part.removesuffix(".gz") for part in n.value.split("/")} & RUN_FILES)
+
+
+def test_run_file_check_flags_a_literal():
+    snippet = ('"""Reads metrics.jsonl."""\n'
+               'def f(d):\n    """DONE is written last."""\n'
+               '    a = d / "metrics.jsonl"  # events.jsonl in a comment\n'
+               '    b = f"{d}/checkpoints/round-{1}"\n    c = d / "events.jsonl.gz"\n'
+               '    raise ValueError(f"{d}: no DONE, and no config.yaml in it")\n')
+    assert run_file_literals(ast.parse(snippet)) == [(4, "metrics.jsonl", "metrics.jsonl"),
+                                                     (5, "/checkpoints/round-", "checkpoints"),
+                                                     (6, "events.jsonl.gz", "events.jsonl")]
+
+
+def test_run_file_names_live_in_rundir():
+    bad = []
+    for p in modules().values():
+        rel = str(p.relative_to(ROOT))
+        if rel != "rundir.py":
+            bad += [f"{rel}:{line}: {s!r} names {name}; take it from tsrl_cli.rundir"
+                    for line, s, name in run_file_literals(ast.parse(p.read_text()))]
+    assert bad == []
+    # positive control: the home itself is seen naming every one of them
+    assert {name for _, _, name in run_file_literals(ast.parse((ROOT / "rundir.py").read_text()))} == RUN_FILES
+
+
+# ---- engine classes are constructed only by the engine opener ----------------------------------------------
+OPENER = "engines/load.py"
+# classes of engines/ with a generate() that are not engines, with the reason
+NOT_ENGINES = {"PolicyEngine": "the protocol itself", "TurnBatcher": "batches requests for an engine it is given",
+               "_Guarded": "tsrl serve's locked view of the engine it was given"}
+
+
+def engine_classes() -> set[str]:
+    """Every class of tsrl_cli/engines/ that defines generate(), less NOT_ENGINES: the PolicyEngine
+    implementations (hf, vllm, the openai client, the scripted one)."""
+    out = set()
+    for p in (ROOT / "engines").glob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ClassDef) and any(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                                   and b.name == "generate" for b in n.body):
+                out.add(n.name)
+    return out - set(NOT_ENGINES)
+
+
+def engine_constructions(tree, classes: set[str]) -> list[tuple[int, str]]:
+    """(line, class) of every call of an engine class, by name or as an attribute (module.HFEngine(...))."""
+    return sorted((n.lineno, name) for n in ast.walk(tree) if isinstance(n, ast.Call)
+                  for name in [n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)]
+                  if name in classes)
+
+
+def test_engine_construction_check_flags_one():
+    snippet = ("import tsrl_cli.engines.vllm as v\nfrom tsrl_cli.engines.hf import HFEngine\n"
+               "def f(m):\n    e = HFEngine(m, pad_id=0)\n    return v.VLLMEngine('dir'), type(e).__name__\n")
+    assert engine_constructions(ast.parse(snippet), engine_classes()) == [(4, "HFEngine"), (5, "VLLMEngine")]
+
+
+def test_engine_classes_are_constructed_only_in_the_opener():
+    classes = engine_classes()
+    assert {"HFEngine", "VLLMEngine", "OpenAIEngine", "ScriptedEngine"} <= classes  # the finder sees them all
+    bad = []
+    for p in modules().values():
+        rel = str(p.relative_to(ROOT))
+        if rel != OPENER:
+            bad += [f"{rel}:{line}: constructs {name}; open it through {OPENER}"
+                    for line, name in engine_constructions(ast.parse(p.read_text()), classes)]
+    assert bad == []
+    # positive control: the opener itself is seen constructing the engines it opens
+    opened = {name for _, name in engine_constructions(ast.parse((ROOT / OPENER).read_text()), classes)}
+    assert opened == {"HFEngine", "VLLMEngine", "OpenAIEngine"}
+
+
+# ---- the dtype names are listed in config.py only ----------------------------------------------------------
+DTYPE_NAMES = {"float16", "float32", "float64", "bfloat16"}
+
+
+def dtype_name_lists(tree) -> list[tuple[int, list[str]]]:
+    """(line, names) of every tuple, list, set or dict-keys literal naming two or more dtypes."""
+    out = []
+    for n in ast.walk(tree):
+        elts = n.elts if isinstance(n, (ast.Tuple, ast.List, ast.Set)) else n.keys if isinstance(n, ast.Dict) else []
+        names = [e.value for e in elts if isinstance(e, ast.Constant) and e.value in DTYPE_NAMES]
+        if len(names) >= 2:
+            out.append((n.lineno, names))
+    return out
+
+
+def test_dtype_list_check_flags_one():
+    snippet = ('A = ("float32", "bfloat16")\nB = {"float64": 1e-10, "float32": 1e-4}\nC = ("float32", "auto")\n'
+               'D = [*A, "auto"]\nE = {x: 1 for x in ("float64",)}\n')
+    assert dtype_name_lists(ast.parse(snippet)) == [(1, ["float32", "bfloat16"]), (2, ["float64", "float32"])]
+
+
+def test_dtype_names_are_listed_in_config_only():
+    from tsrl_cli.config import BUFFER_DTYPES, DTYPES
+
+    bad = []
+    for p in modules().values():
+        rel = str(p.relative_to(ROOT))
+        if rel != "config.py":
+            bad += [f"{rel}:{line}: lists dtype names {names}; derive them from config.DTYPES"
+                    for line, names in dtype_name_lists(ast.parse(p.read_text()))]
+    assert bad == []
+    # positive control: the home is seen listing them
+    found = [names for _, names in dtype_name_lists(ast.parse((ROOT / "config.py").read_text()))]
+    assert list(DTYPES) in found and list(BUFFER_DTYPES) in found
+
+
+# ---- one name per thing: public functions of engines/, evals/, rl/ have distinct names -------------------
+# names shared on purpose, with the reason
+SHARED_NAMES = {"label": "evals/swebench.py and evals/tbench.py: each eval's label string for its own results"}
+
+
+def public_functions(mods: dict[str, pathlib.Path], packages: tuple[str, ...]) -> dict[str, list[str]]:
+    """name -> modules defining a public top-level function of that name, within `packages`."""
+    out = collections.defaultdict(list)
+    for m, p in mods.items():
+        if m.startswith(packages):
+            for n in ast.parse(p.read_text()).body:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and not n.name.startswith("_"):
+                    out[n.name].append(m)
+    return out
+
+
+def test_duplicate_name_finder_finds_one(tmp_path):
+    (tmp_path / "a.py").write_text("def load_engine(cfg):\n    return 1, 2\ndef _x():\n    pass\n")
+    (tmp_path / "b.py").write_text("def load_engine(model):\n    return 3\ndef _x():\n    pass\n")
+    found = public_functions({"p.a": tmp_path / "a.py", "p.b": tmp_path / "b.py"}, ("p.",))
+    assert {k: v for k, v in found.items() if len(v) > 1} == {"load_engine": ["p.a", "p.b"]}
+
+
+def test_one_name_per_function_in_engines_evals_rl():
+    found = public_functions(modules(), ("tsrl_cli.engines", "tsrl_cli.evals", "tsrl_cli.rl"))
+    shared = {k: v for k, v in found.items() if len(v) > 1}
+    assert set(shared) <= set(SHARED_NAMES), {k: v for k, v in shared.items() if k not in SHARED_NAMES}
+    assert "open_engine" in found and len(found["label"]) == 2  # positive control: the finder sees these
+
+
+# ---- one Docker client opener: sandbox/docker_client.py (the ping, the timeout, one error for "no daemon") ----
+DOCKER_CLIENT_HOME = "sandbox/docker_client.py"
+DOCKER_CONSTRUCTORS = {"from_env", "DockerClient", "APIClient"}  # the Docker SDK's ways to make a client
+
+
+def docker_client_constructions(tree) -> list[int]:
+    """Lines that make a Docker SDK client: `docker.from_env(...)`, `docker.DockerClient(...)`,
+    `docker.APIClient(...)` (through any module path), or those names imported from docker."""
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in DOCKER_CONSTRUCTORS]
+    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("docker")
+              and any(a.name in DOCKER_CONSTRUCTORS for a in n.names)]
+    return sorted(lines)
+
+
+def test_docker_client_check_flags_a_construction():
+    snippet = ('import docker\n"""docker.from_env() in a docstring opens nothing."""\n'
+               'a = docker.from_env(timeout=5)  # docker.from_env in a comment\n'
+               'b = docker.DockerClient(base_url="unix:///x")\nfrom docker import APIClient\n'
+               'c = docker.client.from_env()\nd = docker.errors.ImageNotFound\n')
+    assert docker_client_constructions(ast.parse(snippet)) == [3, 4, 5, 6]
+
+
+def test_docker_client_is_made_only_in_its_home():
+    bad = {str(p.relative_to(ROOT)): found for p in modules().values()
+           if (found := docker_client_constructions(ast.parse(p.read_text())))
+           and str(p.relative_to(ROOT)) != DOCKER_CLIENT_HOME}
+    assert bad == {}, f"{bad}: open Docker through tsrl_cli.sandbox.docker_client.docker_client(timeout_s, what)"
+    # positive control: the home itself is seen making one
+    assert docker_client_constructions(ast.parse((ROOT / DOCKER_CLIENT_HOME).read_text()))

@@ -11,8 +11,12 @@ config, so a run directory's config.yaml reruns the run.
 from __future__ import annotations
 
 import difflib
+import inspect
+import io
 import math
 import re
+import textwrap
+import tokenize
 import types
 import typing
 from collections.abc import Iterable
@@ -27,8 +31,11 @@ from tsrl_cli.errors import UsageError
 
 OBJECTIVES = ("grpo", "opd")
 SCHEDULES = ("sync", "stream", "async")
-DTYPES = ("float32", "float64", "bfloat16")
+# The dtype names, defined here only (policy.py maps them to torch dtypes, the engine opener adds "auto")
+DTYPES = ("float32", "float64", "bfloat16")  # model.dtype: learner, engine and teacher
+BUFFER_DTYPES = ("float32", "bfloat16")  # loss.buffer_dtype (float32 means float64 for a float64 model)
 OPTIMIZERS = ("adamw", "sgd")
+MASTER_DTYPES = ("auto", "float32", "float64", "none")  # optim.master_dtype
 
 
 class ConfigError(UsageError):
@@ -112,7 +119,7 @@ class LossConfig:
     kl_type: str = "low_var_kl"  # k1 | k2 | k3 (= low_var_kl) | abs
     entropy_coef: float = 0.0  # entropy bonus (verl entropy_coeff): loss -= coef * agg(H)
     opd_form: str = "pg"  # OPD: pg (advantage -(logp_s - logp_t), tinker/SkyRL) | k3 (direct loss, verl)
-    opd_coef: float = 1.0
+    opd_coef: float = 1.0  # OPD: coefficient of the per-token distillation term
     norm_constant: float | None = None  # C of seq-mean-token-sum-norm (required there)
     global_batch_size: int | None = None  # B of the seq-mean-* modes (None: the round's non-empty sequences)
     max_open_groups: int | None = None  # stream: cap on groups holding buffers at once (later ones: at close)
@@ -120,11 +127,11 @@ class LossConfig:
     # (host memory, pinned; on a GPU the folds run on a copy stream while the next backward goes on)
     buffer_device: str = "device"
     buffer_dtype: str = "float32"  # float32 (float64 for a float64 model) | bfloat16 (opt-in: half the bytes, not exact)
-    # Outside the scope where streaming is exact: any value but these defaults is refused (ScopeError)
+    # Outside the scope where streaming is exact (these four): any value but the default is refused (ScopeError)
     ppo_epochs: int = 1  # later epochs see moved weights (ratio != 1)
-    mini_batches_per_round: int = 1  # several optimizer steps per round
-    old_logprobs: str = "recompute"  # recompute (ratio exactly 1) | behavior (stale, ratio != 1)
-    adv_batch_whiten: bool = False  # a round-level advantage statistic
+    mini_batches_per_round: int = 1  # several optimizer steps per round (refused: not exact)
+    old_logprobs: str = "recompute"  # recompute (ratio exactly 1) | behavior (stale, ratio != 1: refused)
+    adv_batch_whiten: bool = False  # a round-level advantage statistic (refused: not exact)
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,10 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 = off
+    # dtype of the master weights and AdamW moments the optimizer steps (the model computes in model.dtype and
+    # takes their cast after each step): auto = float32 for a bfloat16 model, none otherwise | float32 | float64 |
+    # none (the optimizer steps the parameters in their own dtype: bf16 updates below bf16's resolution round away)
+    master_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,8 @@ class DevicesConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
-    """How the learner batches its backwards (every schedule; docs/streaming.md, "Micro-batching")."""
+    """How the learner batches its backwards (every schedule; docs/streaming.md, "Micro-batching"), and what it
+    recomputes to save activation memory (docs/training.md, "Learner memory")."""
 
     # stream: auto = micro-batch what is queued where a backward has a fixed cost to amortize (a CUDA
     # learner, a group of ranks in lockstep), one arrival at a time on a single CPU process (measured
@@ -191,6 +203,12 @@ class LearnerConfig:
     # in one backward up to this; the first arrival never waits for company. sync's lazy batch splits too.
     max_microbatch_tokens: int | None = None
     max_microbatch_items: int | None = None  # cap on rows per backward; None = no cap
+    # recompute each decoder layer's activations in the backward (torch.utils.checkpoint per layer; on a
+    # group, per FSDP unit): activation memory of about one layer instead of all, for about one more forward
+    activation_checkpointing: bool = False
+    # positions per chunk of the LM head, log-softmax and entropy, forward and backward (core.losses
+    # chunked_token_logprobs): no full-vocabulary float32 tensor longer than that; None = all positions at once
+    logits_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +257,34 @@ def parse_base_images(items: Iterable[str], where: str = "--base-image") -> dict
         if not eq or not src.strip() or not dst.strip() or any(c.isspace() for c in it):
             raise ConfigError(f"{where} {it!r}: expected FROM_IMAGE=LOCAL_IMAGE, e.g. python:3.11-slim=tsrl-base:bookworm")
         out[src] = dst
+    return out
+
+
+def field_help(cls) -> dict[str, str]:
+    """Each field of dataclass `cls` -> its comments in the source: the full-line comments right above
+    it, then the one closing its line ('' for none). `tsrl verify` shows a LossConfig field's comments
+    as its option's help: the comment beside a field is its documentation."""
+    names = {f.name for f in fields(cls)}
+    above: dict[int, str] = {}  # row -> a comment alone on its line
+    after: dict[int, str] = {}  # row -> the comment closing a line of code
+    rows: dict[str, int] = {}  # field -> the row it is declared on
+    prev = None
+    for tok in tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(cls))).readline):
+        starts_line = not tok.line[: tok.start[1]].strip()
+        if tok.type == tokenize.COMMENT:
+            (above if starts_line else after)[tok.start[0]] = tok.string.lstrip("#").strip()
+        elif tok.string == ":" and prev is not None and prev.type == tokenize.NAME and prev.string in names \
+                and not prev.line[: prev.start[1]].strip():  # `name: type = default` at the start of a line
+            rows.setdefault(prev.string, prev.start[0])
+        if tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT):
+            prev = tok
+    out = {}
+    for name, row in rows.items():
+        block, r = [], row - 1
+        while r in above:
+            block.insert(0, above[r])
+            r -= 1
+        out[name] = "; ".join(part for part in (" ".join(block), after.get(row, "")) if part)
     return out
 
 
@@ -478,6 +524,13 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
             except UsageError as e:
                 raise ConfigError(str(e)) from None
     one_of("learner.microbatch", cfg.learner.microbatch, ("auto", "on", "off"))
+    if cfg.learner.logits_chunk_tokens is not None and cfg.learner.logits_chunk_tokens < 1:
+        raise ConfigError(f"config key learner.logits_chunk_tokens: must be >= 1 positions (or null: all at once), "
+                          f"got {cfg.learner.logits_chunk_tokens}")
+    one_of("optim.master_dtype", cfg.optim.master_dtype, MASTER_DTYPES)
+    if cfg.model.dtype == "float64" and cfg.optim.master_dtype == "float32":
+        raise ConfigError("config key optim.master_dtype: float32 masters would round a float64 model's weights; "
+                          "use auto (none for float64), float64 or none")
     for k in ("max_microbatch_tokens", "max_microbatch_items"):
         v = getattr(cfg.learner, k)
         if v is not None and v < 1:

@@ -5,13 +5,15 @@ A spec is `cpu`, a CUDA index (`4`), a range (`4-7`), a list (`0,1`), a torch na
 N ranks shards the model over them (rl/group.py). The rollout side runs one engine replica per device
 (per `rollout.tensor_parallel` devices with vLLM). The teacher runs on one device; a range there is
 refused with that message rather than silently using its first device.
+
+torch is imported only inside cuda_count, the one function that asks the machine: config.py
+imports this module and loads without torch (`tsrl --help` builds `tsrl verify`'s options from
+config.LossConfig; predict and report read run configs).
 """
 
 from __future__ import annotations
 
 import re
-
-import torch
 
 from tsrl_cli.errors import UsageError
 
@@ -81,13 +83,32 @@ def device_of(cfg, side: str) -> str:
     return one_device(cfg.devices.teacher, "devices.teacher")
 
 
+def cuda_count() -> int:
+    """CUDA devices this process can use, counted through NVML where torch can (torch.cuda.device_count
+    before CUDA is initialised): the count does not initialise CUDA, so the vllm engine can still set
+    CUDA_VISIBLE_DEVICES afterwards (engines/load.py). 0 on a torch build without CUDA."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def check_available(device: str, key: str) -> None:
     """Fail early (exit 2) when a CUDA device is named on a machine that has fewer."""
     if not device.startswith("cuda"):
         return
 
     idx = int(device.split(":")[1])
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = cuda_count()
     if idx >= n:
         raise UsageError(f"{key}: {device} is not available here ({n} CUDA device(s)); use cpu or an index below {n}"
                          if n else f"{key}: {device} asked for, but this torch build sees no CUDA device; use cpu")
+
+
+def engine_device(spec: str | int | None, key: str = "--device") -> str:
+    """The one device of an evaluation's or a probe's engine: `spec` checked and available, or, when None,
+    the first GPU where there is one, else cpu."""
+    if spec is None:
+        return "cuda:0" if cuda_count() > 0 else "cpu"
+    dev = one_device(spec, key)
+    check_available(dev, key)
+    return dev

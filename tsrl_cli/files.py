@@ -12,17 +12,14 @@ target is left exactly as it was.
     atomic_dir(path)                       a temp folder; renamed over `path` (a folder) at the end
 
     file_sha256(path), tree_sha256(root)  content hashes (dataset manifests, task folders, policy weights)
-    read_text(path)                        a text file, gunzipped when its name ends in .gz
-    run_events(run_dir)                    a run's events.jsonl, or events.jsonl.gz (committed run inputs)
 
 Appending to a JSON-lines log (one whole line per write) is not a whole-file write and lives with
-its reader (evals.runner.RecordLog, rl.runlog.RunLog).
+its reader (evals.runner.RecordLog, rl.runlog.RunLog; a run directory's readers: rundir.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import json
 import os
@@ -117,16 +114,3 @@ def tree_sha256(root: Path) -> str:
         elif p.is_file():
             h.update(f"F {rel} {file_sha256(p)}\n".encode())
     return h.hexdigest()
-
-
-def read_text(path: str | Path) -> str:
-    """The file's text; a name ending in .gz is gunzipped (compact committed run inputs)."""
-    p = Path(path)
-    return gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
-
-
-def run_events(run_dir: str | Path) -> Path:
-    """The run's events.jsonl, else its events.jsonl.gz when only that exists (the plain name otherwise)."""
-    plain = Path(run_dir) / "events.jsonl"
-    packed = plain.with_name("events.jsonl.gz")
-    return packed if not plain.is_file() and packed.is_file() else plain

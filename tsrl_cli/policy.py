@@ -32,15 +32,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from tsrl_cli.core.losses import token_entropy, token_logprobs
+from tsrl_cli.config import DTYPES
+from tsrl_cli.core.losses import chunked_token_logprobs, token_entropy, token_logprobs
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import atomic_dir, file_sha256
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES names -> torch dtypes
 BUILTIN_TINY = "builtin:tiny"
 BUILTIN_TINY_TEACHER = "builtin:tiny-teacher"
 ADAPTER_DIR = "adapter"  # a LoRA checkpoint's PEFT adapter, beside the merged model
@@ -101,9 +104,9 @@ def keep_float64_norms(model) -> int:
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if dtype not in TORCH_DTYPES:
         raise UsageError(f"dtype {dtype!r} is unknown; use one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return TORCH_DTYPES[dtype]
 
 
 def _prepare(model, dtype: torch.dtype):
@@ -219,6 +222,36 @@ def load_adapter(model, ckpt_dir: str | Path) -> None:
         raise UsageError(f"{f}: adapter weights do not fit this model ({res.unexpected_keys[0]} ...)")
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's transformer blocks (Qwen3, Llama, ... and their PEFT wrappers): the units that activation
+    checkpointing recomputes and a learner group shards (rl/group.py)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            return mod
+    raise ValueError(f"{type(model).__name__}: no `layers` ModuleList of decoder blocks")
+
+
+def _checkpointed_forward(self, *args, **kwargs):
+    """A decoder layer's forward under torch.utils.checkpoint (non-reentrant): the backward recomputes it."""
+    return torch.utils.checkpoint.checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_activations(model) -> int:
+    """Activation checkpointing (learner.activation_checkpointing): each decoder layer keeps only its input
+    for the backward and recomputes the rest there; returns the number of layers.
+
+    torch.utils.checkpoint per layer, not transformers' gradient_checkpointing_enable, which checkpoints only
+    in train mode (tsrl's models stay in eval mode: no dropout). The layer's forward is replaced on the
+    instance, inside its module hooks, so on a learner group FSDP2's unshard (a hook of the same layer,
+    the FSDP unit) runs before the forward and before its recomputation; parameter names do not change,
+    and a deepcopy keeps it (a bound method is rebound to the copy).
+    """
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+    return len(layers)
+
+
 def is_lora(model) -> bool:
     return getattr(model, "peft_config", None) is not None
 
@@ -284,14 +317,45 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 
 def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None, *,
-                     entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: bool = False, chunk_tokens: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) log-probs of the given tokens (with grad), and (B, T) entropies when asked.
 
     Computed from raw logits (core.losses.token_logprobs), never through transformers' `labels=`
     loss, which upcasts to float32: a float64 model keeps float64 here.
+    chunk_tokens (learner.logits_chunk_tokens): the LM head, log-softmax and entropy, and their backward,
+    run that many positions at a time (core.losses): the same values and gradients, and no
+    full-vocabulary tensor longer than chunk_tokens positions.
     """
-    logits = model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
-    return token_logprobs(logits, ids_B_T), (token_entropy(logits) if entropy else None)
+    if chunk_tokens is None:
+        logits = model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
+        return token_logprobs(logits, ids_B_T), (token_entropy(logits) if entropy else None)
+    hidden, head = _last_hidden(model, ids_B_T, attention_mask_B_T)
+    # a learner group: FSDP2 reshards the root unit (the head) after each backward, and a second backward of
+    # the same forward (the learner's regularizer pass) reaches the head before any FSDP hook gathers it again
+    regather = model.unshard if isinstance(model, FSDPModule) else None
+    return chunked_token_logprobs(hidden, head.weight, head.bias, ids_B_T, chunk_tokens, entropy, regather)
+
+
+def _last_hidden(model, ids_B_T, attention_mask_B_T):
+    """((B, T, H) hidden states the LM head reads, the head): the model's own forward, asked for no logits.
+
+    The forward runs through the model's __call__ (on a learner group, FSDP's root hooks gather the head
+    and keep it unsharded for the backward); a hook on the decoder takes its last hidden state, and
+    `logits_to_keep` with no index makes the head compute nothing.
+    """
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        raise UsageError(f"learner.logits_chunk_tokens needs a plain linear LM head; this model's is "
+                         f"{type(head).__name__} (a LoRA-wrapped lm_head?): set learner.logits_chunk_tokens=null")
+    box = []
+    hook = model.get_decoder().register_forward_hook(lambda mod, args, out: box.append(out[0]))
+    try:
+        model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, use_cache=False,
+              logits_to_keep=torch.zeros(0, dtype=torch.long, device=ids_B_T.device))
+    finally:
+        hook.remove()
+    return box[0], head
 
 
 @torch.no_grad()

@@ -33,15 +33,13 @@ Pure python: no torch, no numpy.
 from __future__ import annotations
 
 import csv
-import heapq
-import json
 import math
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from tsrl_cli.errors import UsageError
-from tsrl_cli.files import read_text, run_events
+from tsrl_cli.rundir import DROP_LAST, EVENTS, METRICS, STRICT, RunDir, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -338,13 +336,14 @@ def streaming_gain(run_dir: str | Path) -> dict:
     step + sync is 0). Never raises on a missing or unusable trace: status "unavailable" and
     `reason` say why. Every key of GAIN_KEYS is present (None where it does not apply).
     """
-    root = Path(run_dir)
+    run = RunDir(run_dir)
+    root = run.root
     out: dict = {**dict.fromkeys(GAIN_KEYS), "status": "unavailable", "rounds": []}
-    metrics = root / "metrics.jsonl"
+    metrics = run.file(METRICS)
     if not metrics.is_file():
         return {**out, "reason": f"{root}: no metrics.jsonl (not a run directory, or no round finished)"}
     try:
-        rows = [row for _, row in _read_jsonl(metrics) if row.get("round") is not None]
+        rows = [row for row in run.rows(METRICS, DROP_LAST) if row.get("round") is not None]
         measured = {int(r["round"]): float(r["step_time_s"]) for r in rows if r.get("step_time_s") is not None}
         warm = [int(r["round"]) for r in (rows[1:] if len(rows) > 1 else rows)]  # as summarize() in rl/train.py
     except UsageError as e:
@@ -354,7 +353,7 @@ def streaming_gain(run_dir: str | Path) -> dict:
     if not rows:
         return {**out, "reason": f"{root}: no rounds in metrics.jsonl"}
     trace, trace_error = None, None
-    if run_events(root).is_file():
+    if run.file(EVENTS).is_file():
         try:
             trace = load_trace(root)
         except UsageError as e:
@@ -405,50 +404,29 @@ def streaming_gain(run_dir: str | Path) -> dict:
 
 
 def load_trace(path: str | Path) -> Trace:
-    """A run directory, an events.jsonl, or a minimal trace (.csv, or JSONL rows without `event`)."""
+    """A run directory, an events.jsonl, or a minimal trace (.csv, or JSONL rows without `event`).
+
+    A run directory's files are read as a run's (a torn last line, the run still being written,
+    is left out); a file named on its own must be whole: any malformed row is an error."""
     p = Path(path)
     if p.is_dir():
-        ev = run_events(p)
-        if not ev.is_file():
+        run = RunDir(p)
+        events = run.read(EVENTS, DROP_LAST)
+        if not events.path.is_file():
             raise UsageError(f"{p}: not a run directory (no events.jsonl)")
-        trace = _from_events(ev, _read_jsonl(ev), metrics=p / "metrics.jsonl", kind="run")
-        return replace(trace, padded_sync=_sync_batching(p / "config.yaml") != "per_item")
+        trace = _from_events(events.path, events.numbered(), run.rows(METRICS, DROP_LAST), kind="run")
+        # the sync baseline's batching as the run's config says (the default, padded, where it predates the key)
+        return replace(trace, padded_sync=not run.started() or run.config().sync_batching != "per_item")
     if not p.is_file():
         raise UsageError(f"--trace {p}: not found (a run directory, an events.jsonl or a CSV/JSONL trace)")
     if p.suffix.lower() == ".csv":
         with p.open(newline="") as f:
             rows = [(n, row) for n, row in enumerate(csv.DictReader(f), start=2)]
         return _from_minimal(p, rows)
-    rows = _read_jsonl(p)
+    rows = read_jsonl(p, STRICT).numbered()
     if any("event" in row for _, row in rows):
-        metrics = p.with_name("metrics.jsonl")
-        return _from_events(p, rows, metrics=metrics, kind="events")
+        return _from_events(p, rows, read_jsonl(p.with_name(METRICS), STRICT).rows, kind="events")
     return _from_minimal(p, rows)
-
-
-def _sync_batching(config: Path) -> str | None:
-    """The run's `sync_batching` from its config.yaml (a plain line scan: no YAML parser needed)."""
-    if not config.is_file():
-        return None
-    for line in config.read_text().splitlines():
-        if line.startswith("sync_batching:"):
-            return line.split(":", 1)[1].strip().strip("'\"")
-    return None
-
-
-def _read_jsonl(p: Path) -> list[tuple[int, dict]]:
-    out = []
-    for n, line in enumerate(read_text(p).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{p}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise UsageError(f"{p}:{n}: expected a JSON object")
-        out.append((n, row))
-    return out
 
 
 def _num(p: Path, n: int, row: dict, key: str, required: bool = True, negative_ok: bool = False) -> float | None:
@@ -490,7 +468,7 @@ def _span(p: Path, n: int, row: dict, allow_negative: bool = False) -> float:
     return end - start
 
 
-def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str) -> Trace:
+def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kind: str) -> Trace:
     """Rounds from events.jsonl; sync rounds share the batch backward out by loss_tokens.
 
     Several `step` (or `weight_sync`) events in one round are summed: the model puts them all at
@@ -520,13 +498,12 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: Path, kind: str
         elif ev == "round_end":
             r["end"] = _num(p, n, row, "at_s", required=False)
             r["learners"] = int(row["learners"]) if row.get("learners") else None
-    measured, schedule, measured_from = {}, None, None
-    if metrics.is_file():
-        for n, row in _read_jsonl(metrics):
-            schedule = row.get("schedule") or schedule
-            if row.get("step_time_s") is not None and "round" in row:
-                measured.setdefault(int(row["round"]), float(row["step_time_s"]))
-        measured_from = "metrics.jsonl step_time_s" if measured else None
+    measured, schedule = {}, None
+    for row in metrics:  # the run's metrics.jsonl rows ([] when there is none)
+        schedule = row.get("schedule") or schedule
+        if row.get("step_time_s") is not None and "round" in row:
+            measured.setdefault(int(row["round"]), float(row["step_time_s"]))
+    measured_from = "metrics.jsonl step_time_s" if measured else None
     if not measured and any(r["end"] is not None for r in rounds.values()):
         measured = {k: r["end"] for k, r in rounds.items() if r["end"] is not None}
         measured_from = "events.jsonl round_end.at_s"

@@ -30,7 +30,6 @@ experiment) that the sweep was planned with; training itself does not use the wa
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -40,10 +39,9 @@ from tsrl_cli.config import SCHEDULES, ConfigError, TrainConfig, config_diff, lo
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_json_atomic
 from tsrl_cli.report.aggregate import seed_value
-from tsrl_cli.rl.runlog import FILES, RunLog
 from tsrl_cli.rl.train import TrainError, train
+from tsrl_cli.rundir import DONE, LOGS, METRICS, RunDir, read_sweep, sweep_path
 
-SWEEP_FILE = "sweep.json"
 DEFAULT_SCHEDULES = ("sync", "stream", "async")
 DEFAULT_SEEDS = (42, 43, 44)  # the paper's seed list
 DEFAULT_WARMUP = 4  # rounds 1-4 excluded from every average (the ThunderSyncRL report)
@@ -151,10 +149,10 @@ def plan_sweep(experiments: Sequence[str | Path], *, schedules: Sequence[str] = 
 
 def _planned(cfg: TrainConfig, run_dir: Path) -> PlannedRun:
     """The status of one run directory against the config planned for it."""
-    log = RunLog(run_dir)
-    rows = log.rows("metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    log = RunDir(run_dir)
+    rows = log.rows(METRICS)
     ckpts = log.checkpoints()
-    done = log.done_path.is_file()
+    done = log.done()
     last_ckpt = max(ckpts) if ckpts else None
 
     def make(status, action):
@@ -163,7 +161,7 @@ def _planned(cfg: TrainConfig, run_dir: Path) -> PlannedRun:
     if not log.started() or not (rows or ckpts or done):
         return make("todo", "run")
     try:
-        stored = load_config(log.config_path)
+        stored = log.config()
     except ConfigError as e:
         raise UsageError(f"{run_dir}: its config.yaml does not load ({e}); move the directory away or use --out") from None
     diff = config_diff(stored, cfg, ignore=("rounds", "run"))
@@ -215,16 +213,17 @@ def run_sweep(plan: SweepPlan, progress: Callable[[dict], None] | None = None) -
 def _drop_rows(run_dir: Path) -> None:
     """A partial run with no checkpoint starts over: its rows (and a stale DONE) go; config.yaml is
     rewritten by train. Only files of the run-directory contract are touched."""
-    for name in (*FILES, "DONE"):
+    for name in (*LOGS, DONE):
         (run_dir / name).unlink(missing_ok=True)
 
 
 def _measured(r: PlannedRun, warmup: int) -> dict:
     """Rounds on disk and the mean step time after the warm-up (report.aggregate's first stage)."""
-    rows = RunLog(r.run_dir).rows("metrics.jsonl")
+    run = RunDir(r.run_dir)
+    rows = run.rows(METRICS)
     step, n = seed_value({m["round"]: m.get("step_time_s") for m in rows}, warmup, max(r.cfg.rounds, 1))
     return {"rounds_on_disk": len(rows), "step_time_mean_s": step, "rounds_measured": n,
-            "done_file": (r.run_dir / "DONE").is_file()}
+            "done_file": run.done()}
 
 
 def write_sweep_file(plan: SweepPlan) -> Path:
@@ -232,14 +231,8 @@ def write_sweep_file(plan: SweepPlan) -> Path:
 
     Earlier sweeps' experiments in the same `out` are kept; the top-level `warmup` is this sweep's.
     """
-    path = plan.out / SWEEP_FILE
-    doc: dict = {}
-    if path.is_file():
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            doc = {}
-    doc = doc if isinstance(doc, dict) else {}
+    path = sweep_path(plan.out)
+    doc = read_sweep(plan.out)
     experiments = doc.get("experiments") if isinstance(doc.get("experiments"), dict) else {}
     for name, info in plan.experiments.items():
         experiments[name] = {**info, "schedules": list(plan.schedules), "seeds": list(plan.seeds),

@@ -22,20 +22,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, save, save_file
 
-from tsrl_cli.config import LossConfig
+from tsrl_cli.config import DTYPES, LossConfig
 from tsrl_cli.devices import check_available, parse_devices
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.files import atomic_path
-from tsrl_cli.policy import BUILTIN_TINY, BUILTIN_TINY_TEACHER, DTYPES, load_policy, score_tokens
+from tsrl_cli.policy import BUILTIN_TINY, BUILTIN_TINY_TEACHER, TORCH_DTYPES, load_policy, score_tokens
 from tsrl_cli.processes import init_worker
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout, read_rollouts
 
-# Relative tolerance (max |lazy - stream| / max |lazy|) per dtype. float64: both sides see the
-# same float64 math, only the summation order differs. float32/bf16: lazy sums inside one
-# backward, stream sums per-trajectory gradients in fp32 buffers (figures in results/LOG.md).
-TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2}
+# Relative tolerance (max |lazy - stream| / max |lazy|) per model dtype (each of config.DTYPES).
+# float64: both sides see the same float64 math, only the summation order differs. float32/bf16:
+# lazy sums inside one backward, stream sums per-trajectory gradients in fp32 buffers (figures in
+# results/LOG.md).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 ORDERS = ("random", "given", "reverse")
 
 
@@ -234,7 +235,7 @@ def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOp
     try:
         init_worker()
         group = LearnerGroup.join(rank, len(devices), devices[rank], store)
-        model, _ = load_policy(opts.model, dtype=DTYPES[opts.dtype], seed=opts.seed, tokenizer=False)
+        model, _ = load_policy(opts.model, dtype=TORCH_DTYPES[opts.dtype], seed=opts.seed, tokenizer=False)
         grads = ShardedGrads(group, model)
         group.shard(model, grads)
         sl = StreamLearner(model, obj, Counter(r.group_id for r, k in items if k in (None, 0)), grads=grads,
@@ -262,7 +263,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
     for d in devices:
         check_available(d, "--learner-devices")
     obj = Objective(opts.objective, opts.loss)
-    dtype = DTYPES[opts.dtype]
+    dtype = TORCH_DTYPES[opts.dtype]
     torch.manual_seed(opts.seed)
     progress(f"loading model {opts.model} ({opts.dtype})")
     model, _ = load_policy(opts.model, dtype=dtype, seed=opts.seed, tokenizer=False)
@@ -309,7 +310,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
 
     cmp = compare(names, lazy, stream)
     # bf16 buffers (opt-in) round every partial sum to 8 bits of mantissa: judged at bf16's tolerance
-    tol = TOLERANCE["bfloat16"] if obj.loss.buffer_dtype == "bfloat16" else TOLERANCE[opts.dtype]
+    tol = TOLERANCE[torch.bfloat16] if obj.loss.buffer_dtype == "bfloat16" else TOLERANCE[dtype]
     result = {
         "ok": cmp["max_rel_diff"] <= tol,
         "tolerance": tol,

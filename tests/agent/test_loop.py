@@ -135,7 +135,10 @@ def test_concurrent_sessions_are_batched(tok):
     """Eight sessions whose tools sleep: the engine sees batches of several requests."""
     class SlowScripted(ScriptedEngine):  # a busy engine: requests that arrive meanwhile must queue up
         def generate(self, requests):
-            time.sleep(0.05)
+            t0 = time.monotonic()  # the first call holds until it has company, or company waits behind it
+            while len(batcher.batches) == 1 and batcher.batches[0] == 1 and batcher._q.qsize() < 2 \
+                    and time.monotonic() - t0 < 30:
+                time.sleep(0.005)
             return super().generate(requests)
 
     engine = SlowScripted(tok, lambda ctx, k: ["```bash\nls\n```", "```bash\nsubmit\n```"][k])

@@ -50,7 +50,9 @@ CASES = [
     ("policy probe --model {t}/tokenless --tasks {t}/nonexistent --out {t}/out", "no such dataset"),
     ("policy probe --model {t}/tokenless --samples 0 --out {t}/out", "--samples 0"),
     ("policy probe --model {t}/tokenless --tasks {t}/dataset --out {t}/out", "tokenizer"),
-    ("policy probe --model {t}/corrupt_model --tasks {t}/dataset --out {t}/out", "could not load the model"),
+    ("policy probe --model {t}/corrupt_policy --tasks {t}/dataset --out {t}/out", "could not load the model"),
+    ("policy probe --model {t}/tokenless --tasks {t}/dataset --device cuda:99 --out {t}/out", "cuda:99"),
+    ("policy probe --model {t}/tokenless --tasks {t}/dataset --device bogus --out {t}/out", "not a device list"),
     ("train {t}/nonexistent.yaml", "not found"),
     ("train {t}/corrupt.yaml", "not valid YAML"),
     ("train {t}/types.yaml", "expected an integer"),
@@ -91,19 +93,28 @@ CASES = [
     ("eval embedded --model {t}/tokenless --datasets {t}/plain_dir --out {t}/out", "no manifest.json"),
     ("eval embedded --model {t}/tokenless --datasets {t}/dataset --samples 0 --out {t}/out", "--samples 0"),
     ("eval embedded --model {t}/tokenless --datasets {t}/dataset --out {t}/out", "tokenizer"),
+    ("eval embedded --model {t}/corrupt_policy --datasets {t}/dataset --out {t}/out", "could not load the model"),
+    ("eval embedded --model {t}/tokenless --datasets {t}/dataset --device cuda:99 --out {t}/out", "cuda:99"),
+    ("eval embedded --model {t}/tokenless --datasets {t}/dataset --device bogus --out {t}/out", "not a device list"),
+    ("eval embedded --model {t}/tokenless --datasets {t}/dataset --device 0-1 --out {t}/out", "names 2 devices"),
+    ("eval swebench --model x --device cuda:99 --out {t}/out", "cuda:99"),
+    ("eval swebench --model x --engine tgi --out {t}/out", "--engine 'tgi'"),
     ("eval swebench --out {t}/out", "--model"),
     ("eval swebench --model x --dataset {t}/nonexistent --out {t}/out", "no such dataset"),
     ("eval swebench --grade-only {t}/nonexistent.jsonl --out {t}/out", "no such file"),
     ("eval swebench --grade-only {t}/corrupt.jsonl --out {t}/out", "not valid JSON"),
     ("eval tbench --dataset {t}/nonexistent --out {t}/out", "no such dataset"),
     ("eval tbench --dataset {t}/dataset --executor mars --model x --out {t}/out", "--executor"),
+    ("eval tbench --dataset {t}/dataset --executor local --model {t}/tokenless --device bogus --out {t}/out",
+     "not a device list"),
+    ("eval tbench --dataset {t}/dataset --executor local --model {t}/tokenless --out {t}/out", "tokenizer"),
 ]
 COMMANDS = {"verify", "prepare-data", "data show", "data check", "env exec", "env list", "policy probe", "train",
             "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench", "serve"}
 
 
 @pytest.fixture(scope="module")
-def bad(tmp_path_factory, prepare_fixture):
+def bad(tmp_path_factory, prepare_fixture, tok):
     t = tmp_path_factory.mktemp("bad")
     (t / "corrupt.parquet").write_text("not parquet")
     (t / "corrupt.jsonl").write_text('{"group_id": "g", "sample_index": 0}\n{torn')
@@ -118,6 +129,8 @@ def bad(tmp_path_factory, prepare_fixture):
     (t / "corrupt_model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     (t / "corrupt_model" / "model.safetensors").write_text("junk")
     build_tiny_model(0, torch.float32).save_pretrained(t / "tokenless")  # weights, no tokenizer
+    shutil.copytree(t / "corrupt_model", t / "corrupt_policy")  # corrupt weights beside a good ChatML tokenizer
+    tok.save_pretrained(t / "corrupt_policy")
     prepare_fixture("terminal-bench", "tests/fixtures/terminal_bench", t / "dataset")
     return t
 

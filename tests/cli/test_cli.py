@@ -38,7 +38,7 @@ def test_verify_human_output():
 def test_exit_1_when_above_tolerance(monkeypatch):
     import tsrl_cli.verify as v
 
-    monkeypatch.setitem(v.TOLERANCE, "float64", 0.0)  # any rounding difference now fails
+    monkeypatch.setitem(v.TOLERANCE, torch.float64, 0.0)  # any rounding difference now fails
     res = run("verify", "--groups", "2", "--group-size", "3", "--json")
     assert res.exit_code == 1 and json.loads(res.stdout)["ok"] is False
 
@@ -100,3 +100,108 @@ def test_user_model_dir_rollouts_file_and_saved_grads(tmp_path):
         lazy, stream = load_file(out / "lazy.safetensors"), load_file(out / "stream.safetensors")
         assert "model.embed_tokens.weight" in lazy and set(lazy) == set(stream)
         assert lazy["lm_head.weight"].abs().max() > 0
+
+
+# ---- the loss options are LossConfig's fields ---------------------------------------------------------------
+
+def _nondefault(f):
+    """A value of field f's type other than its default, and the command-line words that give it."""
+    import typing
+
+    from tsrl_cli.config import LossConfig
+
+    tp = typing.get_type_hints(LossConfig)[f.name]
+    flag = "--" + f.name.replace("_", "-")
+    if tp is bool:
+        return (not f.default), [flag if not f.default else "--no-" + flag[2:]]
+    base = next(a for a in typing.get_args(tp) if a is not type(None)) if typing.get_args(tp) else tp
+    value = f"not-{f.default}" if base is str else base((f.default or 0) + (3 if base is int else 0.25))
+    return value, [flag, str(value)]
+
+
+def test_every_loss_field_is_a_verify_option_with_its_default():
+    import inspect
+    from dataclasses import fields
+
+    from tsrl_cli.cli.verify import verify
+    from tsrl_cli.config import LossConfig, field_help
+
+    params = inspect.signature(verify).parameters
+    helps = field_help(LossConfig)
+    text = runner.invoke(app, ["verify", "--help"], env={"COLUMNS": "250"}).stdout
+    for f in fields(LossConfig):
+        assert params[f.name].default == f.default, f.name
+        assert helps[f.name], f"LossConfig.{f.name} has no comment: it is its option's help"
+        assert "--" + f.name.replace("_", "-") in text and helps[f.name][:30] in text, f.name
+
+
+def test_every_loss_option_reaches_the_loss_config(monkeypatch):
+    """Each option given a value other than its default: run_verify receives exactly those values."""
+    from dataclasses import fields
+
+    import tsrl_cli.verify as v
+    from tsrl_cli.config import LossConfig
+
+    got = []
+    monkeypatch.setattr(v, "run_verify", lambda opts, progress: got.append(opts) or {"ok": True})
+    values, words = {}, []
+    for f in fields(LossConfig):
+        values[f.name], w = _nondefault(f)
+        words += w
+    res = run("verify", "--json", *words)
+    assert res.exit_code == 0, res.output
+    assert got[0].loss == LossConfig(**values) != LossConfig()
+
+
+def test_a_loss_option_reaches_the_objective():
+    """End to end: the loss options are what the objective ran with, and a scope field is refused there."""
+    res = run("verify", "--groups", "2", "--group-size", "3", "--kl-coef", "0.2", "--kl-type", "k2",
+              "--entropy-coef", "0.01", "--loss-agg", "seq-mean-token-mean", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["kl_coef"], doc["kl_type"], doc["entropy_coef"], doc["loss_agg"]) == (0.2, "k2", 0.01,
+                                                                                     "seq-mean-token-mean")
+    assert doc["ok"]
+    res = run("verify", "--old-logprobs", "behavior")
+    assert res.exit_code == 2 and "not exact under gradient streaming" in res.stderr
+
+
+def test_a_new_loss_field_becomes_a_verify_option_with_no_other_edit(monkeypatch):
+    """A LossConfig with one more field (and its comment): verify's generated options hold it, with its
+    default and comment, and its value reaches the LossConfig that run_verify gets."""
+    import importlib
+    from dataclasses import dataclass
+
+    import typer
+
+    import tsrl_cli.verify as v
+
+    cv = importlib.import_module("tsrl_cli.cli.verify")  # the module (the package's `verify` is the command)
+    from tsrl_cli.config import LossConfig
+
+    @dataclass(frozen=True)
+    class LossPlus(LossConfig):
+        clip_ratio: float = 0.2  # PPO clip ratio, a field added to the loss
+
+    monkeypatch.setattr(cv, "LossConfig", LossPlus)
+    got = []
+    monkeypatch.setattr(v, "run_verify", lambda opts, progress: got.append(opts) or {"ok": True})
+    one = typer.Typer()
+    one.command()(cv.loss_options(cv.verify.__wrapped__))
+    text = CliRunner().invoke(one, ["--help"], env={"COLUMNS": "250"}).stdout
+    assert "--clip-ratio" in text and "PPO clip ratio, a field added to the loss" in text and "0.2" in text
+    res = CliRunner().invoke(one, ["--clip-ratio", "0.3", "--kl-coef", "0.5", "--json"])
+    assert res.exit_code == 0, res.output
+    assert got[0].loss == LossPlus(clip_ratio=0.3, kl_coef=0.5)
+    assert "--clip-ratio" not in run("verify", "--help").stdout  # the real command is untouched
+
+
+def test_every_model_dtype_has_a_tolerance_and_a_torch_dtype():
+    """The dtype names live in config.py; policy.TORCH_DTYPES and verify.TOLERANCE cover each of them."""
+    from tsrl_cli.config import DTYPES
+    from tsrl_cli.policy import TORCH_DTYPES
+    from tsrl_cli.verify import TOLERANCE
+
+    assert list(TORCH_DTYPES) == list(DTYPES) and all(str(TORCH_DTYPES[d]) == f"torch.{d}" for d in DTYPES)
+    assert set(TOLERANCE) == set(TORCH_DTYPES.values())
+    assert run("verify", "--dtype", "float16").exit_code == 2  # a name outside config.DTYPES is refused

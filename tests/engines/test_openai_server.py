@@ -59,6 +59,28 @@ def slow(gen_delay_s=0.0, update_delay_s=0.0) -> SlowEngine:
     return e
 
 
+class HeldEngine(HFEngine):
+    """An hf engine whose first call waits, so that a test acts at a known moment instead of racing a
+    delay: `entered` is set once that call is inside the engine, and it waits for `go()` to be true."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entered, self.go, self.calls = threading.Event(), (lambda: True), 0
+
+    def generate(self, requests):
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            t0 = time.monotonic()
+            while not self.go() and time.monotonic() - t0 < 60:
+                time.sleep(0.005)
+        return super().generate(requests)
+
+
+def held() -> HeldEngine:
+    return HeldEngine(build_tiny_model(0, torch.float64), batch_invariant=True)
+
+
 def requests(n: int = 16, max_tokens: int = 12) -> list[TurnRequest]:
     """Seeded turns at temperature 1 with top_p 1 and 0.8; half may stop early on one of 8 stop tokens."""
     return [TurnRequest([3 + i, 9, 11, 13, 2 * i + 1][: 2 + i % 4],
@@ -115,7 +137,10 @@ def servers():
 def test_server_gives_the_engines_turns_to_concurrent_sessions(servers):
     reqs = requests()
     refs = engine().generate(reqs)
-    srv = servers(engine())
+    eng = held()
+    srv = servers(eng)
+    # the first engine call computes once it holds two requests, or two more wait behind it (the next call's)
+    eng.go = lambda: srv.batcher.batches[0] > 1 or srv.batcher._q.qsize() >= 2
     client = OpenAIEngine([srv.url], log=print)
     outs = run_sessions(client, reqs)
     assert_same(outs, refs)
@@ -186,14 +211,15 @@ def test_failover_gives_the_healthy_servers_turns(servers):
     assert len(logs) == 1 and gone.url in logs[0] and "cannot connect" in logs[0]
 
     # down while requests are in flight: they are answered 503 and re-sent
-    dying = servers(slow(gen_delay_s=0.3))
+    dying_engine = held()
+    dying = servers(dying_engine)
+    dying_engine.go = lambda: dying.aborted > 0  # held inside the engine until the shutdown answered them
     logs = []
     client = OpenAIEngine([dying.url, healthy.url], log=logs.append)
 
     async def round_with_a_shutdown():
         sessions = asyncio.ensure_future(asyncio.to_thread(run_sessions, client, reqs))
-        while dying.in_flight == 0:  # wait until requests are inside the slow engine or queued for it
-            await asyncio.sleep(0.005)
+        await asyncio.to_thread(dying_engine.entered.wait, 60)  # a batch is inside dying's engine, held there
         await asyncio.to_thread(dying.shutdown)
         return await sessions
 

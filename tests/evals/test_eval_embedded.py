@@ -169,3 +169,49 @@ def test_cli_with_a_real_checkpoint_dir(suite, ckpt, tmp_path):
     assert doc["all"]["ci95_high"] > 0 and (tmp_path / "out" / "summary.json").is_file()
     res = CliRunner().invoke(app, [*args, "--datasets", str(suite / SETS[0])])  # resumed: nothing new to run
     assert res.exit_code == 0 and LABEL in res.stdout and "95 % CI" in res.stdout
+
+
+@pytest.fixture
+def opener_calls(monkeypatch):
+    """The (device, dtype) each open of a policy folder asks for; the model itself is served from the CPU."""
+    import tsrl_cli.engines.load as opener
+
+    asked, real = [], opener.load_policy
+
+    def on_cpu(model, *, dtype, device, **kw):
+        asked.append((device, dtype))
+        return real(model, dtype="float32", device="cpu", **kw)
+
+    monkeypatch.setattr(opener, "load_policy", on_cpu)
+    return asked
+
+
+@pytest.mark.sandboxed
+@pytest.mark.parametrize("gpus,flag,device,dtype", [
+    (1, ["--device", "cuda:0"], "cuda:0", "bfloat16"),  # asked for
+    (2, [], "cuda:0", "bfloat16"),  # the default with GPUs: the first one
+    (0, [], "cpu", "float32"),  # the default without
+])
+def test_cli_device_reaches_the_opener(suite, ckpt, tmp_path, monkeypatch, opener_calls, gpus, flag, device, dtype):
+    """`tsrl eval embedded --device` opens its engine there, printed first on stderr, never on stdout; the
+    machine's GPUs are faked through torch.cuda.device_count (what devices.cuda_count asks)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    res = CliRunner().invoke(app, ["eval", "embedded", "--model", str(ckpt), "--datasets", str(suite / SETS[1]),
+                                   "--limit", "1", "--max-turns", "1", "--out", str(tmp_path / "out"), "--json", *flag])
+    assert res.exit_code == 0, res.output
+    assert opener_calls == [(device, dtype)]
+    assert res.stderr.splitlines()[0] == f"· engine device: {device}" and "engine device" not in res.stdout
+    assert json.loads(res.stdout)["all"]["n"] == 1  # stdout: the one JSON document
+
+
+def test_cli_bad_device_is_one_line_before_anything_loads(tmp_path, monkeypatch, opener_calls):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for spec, word in (("cuda:7", "cuda:7 is not available here (1 CUDA device(s))"), ("bogus", "not a device list")):
+        res = CliRunner().invoke(app, ["eval", "embedded", "--device", spec, "--out", str(tmp_path / "out")])
+        assert res.exit_code == 2 and res.stdout == "" and word in res.stderr, res.output
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert opener_calls == [] and not (tmp_path / "out").exists()

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
-from tsrl_cli.evals.runner import summarize
+from tsrl_cli.evals.runner import summarize_eval
 from tsrl_cli.evals.stats import wilson_interval
 
 # Hand-computed with z = 1.96 (z^2 = 3.8416), centre = (p + z^2/2n)/(1 + z^2/n),
@@ -40,7 +40,7 @@ def test_summary_leaves_errors_and_ungraded_out_of_n():
     recs = [{"dataset": "d", "instance_id": str(i), "sample": 0, "seed": 0, "resolved": r, "reward": float(bool(r)),
              "error": e, "turns": 1, "tokens": 10, "exit_reason": "submitted"}
             for i, (r, e) in enumerate([(True, False), (False, False), (False, True), (None, False)])]
-    s = summarize(recs, label="x", datasets=["d"])
+    s = summarize_eval(recs, label="x", datasets=["d"])
     d = s["datasets"]["d"]
     assert (d["n"], d["resolved"], d["errors"], d["ungraded"], d["success"]) == (2, 1, 1, 1, 0.5)
     assert s["metrics"] == {"eval/d/success": 0.5, "eval/d/n": 2, "eval/d/ci95_low": d["ci95_low"],

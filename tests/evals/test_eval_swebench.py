@@ -51,7 +51,8 @@ def no_docker(monkeypatch):
     def never(*a, **k):
         raise AssertionError("a model was loaded although Docker is missing")
 
-    monkeypatch.setattr(sb, "load_engine", never)
+    monkeypatch.setattr(sb, "open_engine", never)
+    monkeypatch.setattr(sb, "chatml_tokenizer", never)
 
 
 def row(ds, iid=IID):
@@ -111,7 +112,9 @@ def test_bad_input_is_one_line_exit_2_before_docker(ds, tmp_path, no_docker, arg
     res = CliRunner().invoke(app, ["eval", "swebench", *args, "--out", str(tmp_path / "out")])
     assert res.exit_code == 2, res.output
     assert message in res.stderr and "needs Docker" not in res.stderr, res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()  # one error line, after at most the engine device line
+    assert lines[-1].startswith("error:") and len(lines) <= 2 and res.stdout == ""
+    assert all(ln.startswith("· engine device: ") for ln in lines[:-1])
     if "no such dataset" in message:
         assert "tsrl prepare-data swebench-local" in res.stderr  # the fix
 

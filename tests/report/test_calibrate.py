@@ -140,13 +140,13 @@ def tree(tmp_path_factory):
 
 
 def test_gzipped_events_read_as_plain(tree):
-    from tsrl_cli.files import run_events
-    from tsrl_cli.report.load import load_results, read_jsonl
+    from tsrl_cli.report.load import load_results
+    from tsrl_cli.rundir import EVENTS, SKIP
 
     run = next(r for r in load_results(tree).runs if r.name == "grpo_s0.5/sync/seed44")
-    assert run.events_path == run_events(run.path) == run.path / "events.jsonl.gz"
-    rows, bad = read_jsonl(run.events_path)
-    assert bad == 0 and sum(r["event"] == "item" for r in rows) == 16 * 8
+    assert run.events_path == run.dir.file(EVENTS) == run.path / "events.jsonl.gz"
+    got = run.dir.read(EVENTS, SKIP)
+    assert got.skipped == 0 and sum(r["event"] == "item" for r in got.rows) == 16 * 8
     assert [r.round for r in load_trace(run.path).rounds] == list(range(1, 9))
 
 

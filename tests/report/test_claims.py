@@ -8,9 +8,10 @@ same functions on mutated copies of real rows and must see them fail.
 - every verdict is one of four labels followed by ": why"; nothing says PENDING, and the fixed-balance
   spread and held-out prediction rows are there, once each;
 - every path under results/ that a source names exists; a results/LOG.md source names a real entry heading;
-- numbers quoted in "ours" appear in the cited source. For a committed report (REPORT.md, tables/*.md,
-  tables/*.csv of its folder), each ';'-separated segment's numbers must appear, in order, on one line of those
-  files, so a drifted number fails. For a LOG entry, each number must occur in that entry's text.
+- numbers quoted in "ours" appear where the cited source puts them: each ';'-separated segment's numbers must
+  appear, in order, on one line of the source, so a drifted number, or one taken from another line, fails.
+  For a committed report the lines are those of its REPORT.md, tables/*.md and tables/*.csv (a table row, a
+  CSV row); for a LOG entry they are the entry's paragraphs, list items and table rows.
 """
 
 import re
@@ -155,9 +156,24 @@ def unmatched_in_report(ours: str, lines: list[list[str]]) -> list[str]:
 
 
 def unmatched_in_log(ours: str, section: str) -> list[str]:
-    """The numbers of `ours` that the LOG entry's text does not contain."""
-    have = set(numbers(section))
-    return [n for n in numbers(ours) if n not in have]
+    """The ';'-segments of `ours` whose numbers do not all appear, in order, on one line of the LOG entry (a
+    paragraph's wrapped lines are one line here, a table row is one line), as for a committed report."""
+    return unmatched_in_report(ours, [numbers(p) for p in log_lines(section)])
+
+
+def log_lines(section: str) -> list[str]:
+    """The entry's lines, with a wrapped paragraph or list item joined into one (a blank line, a new list
+    item, a table row or a heading starts the next)."""
+    out: list[str] = []
+    for line in section.splitlines():
+        s = line.strip()
+        starts = not s or s.startswith(("|", "#", "- ", "* ", "```")) or s[:3].rstrip(".").isdigit() \
+            or not out or not out[-1] or out[-1].lstrip().startswith(("|", "#", "```"))
+        if starts or line.startswith("    ") and not line.startswith("      "):
+            out.append(s)
+        else:
+            out[-1] += " " + s
+    return [x for x in out if x]
 
 
 def number_problems(row: dict, sections: dict) -> list[str]:
@@ -171,7 +187,7 @@ def number_problems(row: dict, sections: dict) -> list[str]:
     m = LOG_SOURCE.search(src)
     if m and f"{m[1]}: {m[2]}" in sections:
         bad = unmatched_in_log(row["ours"], sections[f"{m[1]}: {m[2]}"])
-        return [f"{row['claim']}: {bad} not in the LOG entry {m[1]}"] if bad else []
+        return [f"{row['claim']}: not on one line of the LOG entry {m[1]}, in order: {seg!r}" for seg in bad]
     return []
 
 
@@ -281,3 +297,12 @@ def test_control_bad_sources_verdicts_and_pending_are_caught():
         pass
     else:
         raise AssertionError("parse_table accepted a file without the table")
+
+
+def test_control_a_log_number_from_another_line_is_caught():
+    """Both numbers are in the LOG entry, on two rows of one table: quoted as one part, the check refuses them."""
+    section = SECTIONS["2026-12-02: the learner side of an 8-GPU node: a sharded learner group, micro-batched streaming"]
+    assert unmatched_in_log("seed 0: 1.785x, learner compute stream/sync 0.998", section) == []
+    assert unmatched_in_log("seed 0: 1.785x, learner compute stream/sync 1.001", section) != []
+    assert log_lines("a wrapped\nparagraph 1.5\n\n- item 2\n  goes on 3\n| 4 | 5 |\n") == \
+        ["a wrapped paragraph 1.5", "- item 2 goes on 3", "| 4 | 5 |"]

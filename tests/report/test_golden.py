@@ -8,11 +8,13 @@ committed runs of results/reports/spread_grpo_small/runs (`spread_grpo_small`). 
 tests/report/golden/README.md.
 """
 
+import contextlib
 import json
 import shutil
 
 import pytest
-from report_helpers import COMMITTED, COMMITTED_BUDGET, REPO, claim_numbers, compare_folders, markdown_cells, read_csv
+from report_helpers import (COMMITTED, COMMITTED_BUDGET, REPO, build, claim_numbers, compare_csv, compare_folders,
+                            markdown_cells, read_csv)
 
 GOLDEN = REPO / "tests" / "report" / "golden"
 # what the device-hours change renamed: the earlier code's names -> today's (same numbers on these
@@ -99,3 +101,62 @@ def test_committed_report_names_its_setup_from_the_runs(built_committed):
     assert f"| claim | paper (one node of 8 B200 GPUs, Qwen-3.8-27B, SWE-smith / SETA-Env tasks) | ours ({label}) |" in md
     (header, *_) = markdown_cells((out / "tables" / "device_hours_to_target.md").read_text())
     assert "device-hours (cpu)" in header and "GPU" not in md.split("## Tables")[1]
+
+
+# Every committed report folder is rebuilt from its committed inputs by one of the tests here: `tsrl report`
+# outputs (a runs/ folder beside REPORT.md) and the `tsrl calibrate` output, by how each was made
+# (results/reports/README.md).
+COVERED_ABOVE = {COMMITTED, COMMITTED_BUDGET}
+CALIBRATED = {"results/reports/prediction_from_sync_trace": ("results/reports/spread_balanced_grpo/runs",
+                                                             "results/reports/spread_balanced_opd/runs")}
+NOT_REPORT_OUTPUTS = {  # data summaries: results/reports/README.md says what made them and that they do not rebuild
+    "results/reports/heldout", "results/reports/heldout_v2", "results/reports/heldout_v3", "results/reports/heldout_v4",
+    "results/reports/probe_v4"}
+REPORT_FOLDERS = sorted(str(p.parent.relative_to(REPO)) for p in (REPO / "results" / "reports").glob("*/runs"))
+
+
+def test_every_committed_report_folder_is_rebuilt_by_a_test():
+    folders = {str(p.relative_to(REPO)) for p in (REPO / "results" / "reports").iterdir() if p.is_dir()}
+    rebuilt = set(REPORT_FOLDERS) | set(CALIBRATED)
+    assert folders - rebuilt - NOT_REPORT_OUTPUTS == set()
+    assert COVERED_ABOVE <= rebuilt and not (rebuilt & NOT_REPORT_OUTPUTS)
+
+
+@pytest.mark.parametrize("folder", [f for f in REPORT_FOLDERS if f not in COVERED_ABOVE])
+def test_each_committed_report_rebuilds(folder, tmp_path):
+    """`tsrl report <folder>/runs --out <folder>`, run from the repository root as the folder's REPORT.md says,
+    gives its tables, figure data and REPORT.md (PNGs aside)."""
+    committed = REPO / folder
+    out = tmp_path / "r"
+    build(f"{folder}/runs", out, cwd=REPO)
+    names = {p.relative_to(committed) for p in [*committed.glob("*/*.csv"), *committed.glob("tables/*.md")]}
+    assert names == {p.relative_to(out) for p in [*out.glob("*/*.csv"), *out.glob("tables/*.md")]}
+    bad, n = compare_folders(committed, out)
+    assert bad == [] and n > 1000, bad[:10]
+    assert (out / "REPORT.md").read_text() == (committed / "REPORT.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("folder", sorted(CALIBRATED))
+def test_each_committed_calibration_rebuilds(folder, tmp_path):
+    """`tsrl calibrate` on the committed runs gives the committed held-out table and rows and the fitted
+    terms (the residual figure's PNG aside). About 3 minutes: every held-out fold is a Nelder-Mead fit."""
+    from tsrl_cli.report.calibrate import calibrate
+
+    committed = REPO / folder
+    with contextlib.chdir(REPO):
+        calibrate(list(CALIBRATED[folder]), tmp_path / "c")
+    assert (tmp_path / "c" / "heldout.md").read_text() == (committed / "heldout.md").read_text()
+    b, n = compare_csv(committed / "heldout_rows.csv", tmp_path / "c" / "heldout_rows.csv")
+    assert b == [] and n > 1000, b[:10]
+    assert _rounded(json.loads((tmp_path / "c" / "calibration.json").read_text())) == \
+        _rounded(json.loads((committed / "calibration.json").read_text()))
+
+
+def _rounded(doc):
+    """A JSON document with every float at 9 significant digits (the fit's sums differ in the last bits)."""
+    if isinstance(doc, dict):
+        return {k: _rounded(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_rounded(v) for v in doc]
+    return float(f"{doc:.9g}") if isinstance(doc, float) else doc

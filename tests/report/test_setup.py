@@ -7,7 +7,7 @@ import pytest
 from report_helpers import build, markdown_cells, read_csv
 from synthetic_runs import make_run, make_tree
 
-from tsrl_cli.report.load import device_list, run_setup
+from tsrl_cli.report.load import run_setup
 
 
 def cfg(rollout="cpu", learner="cpu", teacher=None, objective="grpo", **extra):
@@ -38,14 +38,6 @@ def test_label_names_devices_model_and_tasks():
     assert run_setup(cfg(rollout=0, learner="1-3")).label == \
         "4 cuda devices (rollout 0, learner 1-3); model builtin:toy; tasks builtin:echo, x"
     assert run_setup({}).label == "devices unknown (no devices in config.yaml); model unknown model; tasks unknown tasks"
-
-
-@pytest.mark.parametrize("spec", ["cpu", "mps", "cpu:3", "4", 4, "4-7", "0,2", "cuda:1", "0-1,3"])
-def test_device_grammar_is_tsrl_devices(spec):
-    """report/load.py reads device specs without torch; tsrl_cli.devices (which imports torch) is the reference."""
-    from tsrl_cli.devices import parse_devices
-
-    assert device_list(spec) == list(parse_devices(spec, "devices.x"))
 
 
 @pytest.fixture(scope="module")

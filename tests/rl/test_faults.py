@@ -21,15 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from worker_procs import alive, pids
+from worker_procs import alive, held_at, pids
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["model.policy=builtin:toy", "model.teacher=builtin:toy-teacher", "data.train=[builtin:echo]",
        "rollout.prompts_per_round=2", "rollout.group_size=4", "rollout.max_turns=3", "rollout.max_turn_tokens=32",
        "rollout.max_trajectory_tokens=400", "optim.lr=1e-2", "rollout.batch_invariant=true",
-       "rollout.tool_latency_median_s=0.2", "rollout.tool_latency_sigma=0.5"]  # rounds of ~1 s: room to strike
+       "rollout.tool_latency_median_s=0.2", "rollout.tool_latency_sigma=0.5"]
 ROUNDS = 3
+# the runs that are struck hold at round 2's start (worker_procs.held_at) until the test has struck
+HELD = 2
 
 
 def train_cmd(out: Path, objective: str, *extra: str) -> list[str]:
@@ -42,8 +44,10 @@ def run(cmd, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def start(cmd) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(cmd, marker: Path) -> subprocess.Popen:
+    """The run of `cmd`, held at round HELD's start while `marker` exists."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=held_at(HELD, marker))
 
 
 def wait_for(cond, timeout=120.0, what=""):
@@ -90,9 +94,9 @@ def check_resumed(d: Path, objective: str, reference) -> None:
 
 
 def test_kill_9_of_the_main_process_mid_round(reference, tmp_path):
-    d = tmp_path / "run"
-    p = start(train_cmd(d, "grpo"))
-    wait_for(lambda: rounds_done(d) >= 1 and len(pids(d)) == 3, what="round 1")
+    d, held = tmp_path / "run", tmp_path / "held"
+    p = start(train_cmd(d, "grpo"), held)
+    wait_for(lambda: held.exists() and rounds_done(d) == HELD - 1 and len(pids(d)) == 3, what="round 2 held")
     workers = pids(d)
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=10)
@@ -102,15 +106,17 @@ def test_kill_9_of_the_main_process_mid_round(reference, tmp_path):
 
 @pytest.mark.parametrize("victim,objective", [("rollout", "grpo"), ("learner", "grpo"), ("teacher", "opd")])
 def test_kill_9_of_a_worker(victim, objective, reference, tmp_path):
-    d = tmp_path / "run"
-    p = start(train_cmd(d, objective))
+    d, held = tmp_path / "run", tmp_path / "held"
+    p = start(train_cmd(d, objective), held)
     n = 4 if objective == "opd" else 3
-    wait_for(lambda: rounds_done(d) >= 1 and len(pids(d)) == n, what="round 1")
+    wait_for(lambda: held.exists() and rounds_done(d) == HELD - 1 and len(pids(d)) == n, what="round 2 held")
     workers = pids(d)
     t0 = time.monotonic()
     os.kill(workers[victim], signal.SIGKILL)
-    out, err = p.communicate(timeout=30)
-    assert time.monotonic() - t0 < 10 and p.returncode == 1, (p.returncode, err[-2000:])
+    out, err = p.communicate(timeout=60)
+    # held, a run that missed the death would wait forever: the bound checks seconds, not minutes, with the
+    # room a loaded machine needs (11.4 s measured at load ~4 on 2 cores, the test under nice 19)
+    assert time.monotonic() - t0 < 30 and p.returncode == 1, (p.returncode, err[-2000:])
     first = err.strip().splitlines()[0]
     assert first.startswith("error: the ") and f"the {victim} process was killed by signal 9" in first, err
     assert "--resume" in first and "Traceback" not in err and out == ""
@@ -170,12 +176,13 @@ def test_sigterm_in_a_sweep_then_the_next_sweep_continues(toy_policies, tmp_path
     ref = run(sweep(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-2000:]
     out = tmp_path / "out"
-    first = out / "toyfault" / "sync" / "seed1"
-    p = start(sweep(out))
-    wait_for(lambda: rounds_done(first) >= 1 and len(pids(first)) == 3, what="round 1 of the first run")
+    first, held = out / "toyfault" / "sync" / "seed1", tmp_path / "held"
+    p = start(sweep(out), held)
+    wait_for(lambda: held.exists() and rounds_done(first) == HELD - 1 and len(pids(first)) == 3,
+             what="round 2 of the first run held")
     workers = pids(first)
     p.send_signal(signal.SIGTERM)
-    p.communicate(timeout=30)
+    p.communicate(timeout=60)
     assert p.returncode != 0 and not any(alive(q) for q in workers.values())
     again = run(sweep(out))
     assert again.returncode == 0, again.stderr[-2000:]

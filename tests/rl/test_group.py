@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from worker_procs import alive, pids
+from worker_procs import alive, held_at, pids
 
 from tsrl_cli.config import load_config
 from tsrl_cli.rl.train import train
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SETS = ["model.policy=builtin:toy", "model.teacher=builtin:toy-teacher", "data.train=[builtin:echo]",
         "rollout.prompts_per_round=2", "rollout.group_size=4", "rollout.max_turns=3", "rollout.max_turn_tokens=32",
         "rollout.max_trajectory_tokens=400", "optim.lr=1e-2", "model.dtype=float64", "run.save_rollouts=true",
-        "rollout.tool_latency_median_s=0.2", "rollout.tool_latency_sigma=0.5"]  # rounds of ~1 s: room to strike
+        "rollout.tool_latency_median_s=0.2", "rollout.tool_latency_sigma=0.5"]
 ROUNDS = 3
 LORA = ["lora.rank=8"]
 
@@ -110,17 +110,18 @@ def cli(out, learners, *extra):
 
 
 def test_kill_one_rank_then_resume_on_another_n(reference, tmp_path):
-    d = tmp_path / "run"
-    p = subprocess.Popen(cli(d, "cpu:2"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    d, held = tmp_path / "run", tmp_path / "held"
+    p = subprocess.Popen(cli(d, "cpu:2"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=held_at(2, held))  # the rollout holds at round 2's start until the kill
     t0 = time.monotonic()
-    while not ((d / "metrics.jsonl").is_file() and len(pids(d)) == 4):  # round 1 done, 2 under way
+    while not (held.exists() and (d / "metrics.jsonl").is_file() and len(pids(d)) == 4):  # round 1 done, 2 held
         assert time.monotonic() - t0 < 120 and p.poll() is None, p.communicate()
         time.sleep(0.05)
     workers = pids(d)
     t0 = time.monotonic()
     os.kill(workers["learner-1"], signal.SIGKILL)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 1 and time.monotonic() - t0 < 15, (p.returncode, err[-2000:])
+    assert p.returncode == 1 and time.monotonic() - t0 < 30, (p.returncode, err[-2000:])  # seconds, loaded or not
     first = err.strip().splitlines()[0]
     assert "the learner-1 process was killed by signal 9" in first and "--resume" in first, err
     assert len(err.strip().splitlines()) == 1 and out == ""

@@ -31,13 +31,33 @@ def weights(run_dir, k):
     return out
 
 
-def server(model_dir):
+class LostMidRound(HFEngine):
+    """An engine whose server is lost at a known moment: it answers `answers` engine calls; on the next
+    it shuts its server down (from another thread, as a failing node would go), waits until the server
+    has answered the requests in flight with 503, and fails that batch. The server is lost mid-round
+    with requests in flight, whatever the machine's load: no poll races the round."""
+
+    answers = 1  # round 1's first batch of b: its next one is in round 1 too (its sessions' later turns)
+    server = None  # set once the server exists
+
+    def generate(self, requests):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls <= self.answers:
+            return super().generate(requests)
+        threading.Thread(target=self.server.shutdown, daemon=True).start()
+        t0 = time.monotonic()
+        while self.server.in_flight and time.monotonic() - t0 < 60:  # the shutdown answers them with 503
+            time.sleep(0.01)
+        raise RuntimeError("server is shutting down")
+
+
+def server(model_dir, engine=HFEngine):
     model, tok = load_policy(model_dir, dtype="float64", device="cpu")
     # the server's engine starts from *other* weights: the run's own reach it over the bus at start
     with __import__("torch").no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    return start_server(HFEngine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join)
+    return start_server(engine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join)
 
 
 @pytest.fixture(scope="module")
@@ -54,25 +74,14 @@ def ref(toy_policies, tmp_path_factory):
 def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config, toy_policies, ref):
     flags = {"model.dtype": "float64", "run.save_rollouts": True}
 
-    a, b = server(toy_policies[0]), server(toy_policies[0])
+    a, b = server(toy_policies[0]), server(toy_policies[0], engine=LostMidRound)  # b: lost on its 2nd batch
+    b.engine.server = b
     log: list[dict] = []
-    stop = threading.Event()
-
-    def kill_b_mid_round() -> None:  # once b has answered two batches of round 1
-        while not stop.is_set():
-            if len(b.batcher.batches) >= 2:
-                b.shutdown()
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=kill_b_mid_round, daemon=True)
-    watcher.start()
     try:
         cfg = toy_config("rollout.engine=openai", f"rollout.servers=[{a.url},{b.url}]", out="srv", schedule="stream",
                          rounds=2, **flags)
         train(cfg, progress=log.append)
     finally:
-        stop.set()
         a.shutdown()
         b.shutdown()
     got = {(r["round"], r["group_id"], r["sample_index"]): r["input_ids"] for r in rows(cfg.run_dir(), "rollouts.jsonl")}
@@ -84,6 +93,7 @@ def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config,
     assert any(b.url in line for line in lines) and not any(a.url in line for line in lines), lines
     m = rows(cfg.run_dir(), "metrics.jsonl")
     assert m[0]["replica_requests"][1] > 0  # b answered before it was lost (else the kill tested nothing)
+    assert b.engine.calls == LostMidRound.answers + 1 and b.aborted > 0  # lost with requests in flight
     assert m[0]["rollout_engine"] == "OpenAIEngine" and m[1]["weight_sync_hosts"] == 1 and m[1]["weight_sync_s"] > 0
 
 

@@ -19,7 +19,7 @@ def _logprobs(model_dir, rollouts):
     from tsrl_cli.core.losses import token_logprobs
     from tsrl_cli.policy import load_policy
 
-    model, _ = load_policy(model_dir, torch.float32)
+    model, _ = load_policy(model_dir, dtype=torch.float32)
     out = []
     with torch.no_grad():
         for r in rollouts:

@@ -15,6 +15,15 @@ def pids(out: Path) -> dict[str, int]:
         return {}
 
 
+def held_at(round_: int, marker: Path) -> dict[str, str]:
+    """The environment of a run whose rollout process holds at round_'s start (rl/rollout_worker.py's
+    HOLD_ENV): it creates `marker`, then waits while `marker` exists. A test that kills or stops the run
+    once `marker` exists strikes mid-round on any machine load, since the run cannot finish first."""
+    from tsrl_cli.rl.rollout_worker import HOLD_ENV
+
+    return dict(os.environ, **{HOLD_ENV: f"{round_}:{marker}"})
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -12,6 +12,18 @@ TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy."
 SeedsOpt = Annotated[list[int] | None, typer.Option("--seed", help="Sampling seed (repeatable: the summary then has one row per seed). Default 0.")]
 OutOpt = Annotated[str | None, typer.Option("--out", help="Output folder (default under results/, named after the model); a re-run with the same settings resumes it.")]
 LimitOpt = Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")]
+DeviceOpt = Annotated[str | None, typer.Option(help="Where the policy's engine runs: cpu, cuda:N or a CUDA index N. Default: the first GPU when there is one, else cpu. Printed on stderr at the start.")]
+
+
+def announce_device(spec: str | None) -> str:
+    """The engine's device (devices.engine_device: checked, or the default), printed on stderr before
+    anything runs; never on stdout, so --json stays one document."""
+    from tsrl_cli.console import err_console
+    from tsrl_cli.devices import engine_device
+
+    device = engine_device(spec)
+    err_console.print(f"[dim]· engine device: {device}[/dim]", highlight=False)
+    return device
 
 
 def split_list(values: list[str] | None) -> list[str] | None:

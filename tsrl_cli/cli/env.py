@@ -2,7 +2,8 @@
 
 The command's stdout and stderr are passed through; a summary (exit code, duration, the limit
 that fired, the isolation) goes to stderr. `--json` prints one document instead.
-Exit codes: 0 the command ran (whatever its own exit code), 2 bad usage or no sandbox available.
+Exit codes: 0 the command ran (whatever its own exit code), 2 bad usage or no sandbox available,
+1 the docker executor's image could not be pulled (registry unreachable, credentials refused).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def base_image(json_out: JsonOpt = False) -> None:
     from tsrl_cli.console import err_console
 
     with cli_errors():
-        from tsrl_cli.sandbox.docker import docker_unavailable_reason
+        from tsrl_cli.sandbox.docker_client import docker_unavailable_reason
         from tsrl_cli.sandbox.images import ensure_base_image
 
         reason = docker_unavailable_reason()

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
-from tsrl_cli.cli._options import JsonOpt, LimitOpt, OutOpt
+from tsrl_cli.cli._options import DeviceOpt, JsonOpt, LimitOpt, OutOpt, announce_device
 
 policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and trajectory statistics.",
                          no_args_is_help=True, add_completion=False)
@@ -27,6 +27,7 @@ def probe(
     limit: LimitOpt = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed (per-request seeds derive from it).")] = 0,
+    device: DeviceOpt = None,
     out: OutOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -39,7 +40,8 @@ def probe(
 
     with cli_errors():
         res = probe_policy(model, tasks or ["embedded-train"], samples=samples, temperature=temperature, seed=seed,
-                           limit=limit, out_dir=out, progress=progress_printer(not json_out))
+                           limit=limit, out_dir=out, device=announce_device(device),
+                           progress=progress_printer(not json_out))
     if json_out:
         typer.echo(json.dumps(res, default=str))
         return

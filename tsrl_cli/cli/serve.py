@@ -36,7 +36,7 @@ def serve(
     from tsrl_cli.errors import UsageError
 
     with cli_errors():
-        from tsrl_cli.engines.server import load_engine
+        from tsrl_cli.engines.server import open_served_engine
         from tsrl_cli.engines.server import serve as serve_engine
         from tsrl_cli.rl.weightbus import WeightBus
 
@@ -44,7 +44,7 @@ def serve(
             raise UsageError(f"--port {port}: use 0-65535")
         if max_batch < 1:
             raise UsageError(f"--max-batch {max_batch}: must be >= 1")
-        eng, bus_device = load_engine(model, engine=engine, device=device, dtype=dtype, batch_invariant=batch_invariant)
+        eng, bus_device = open_served_engine(model, engine=engine, device=device, dtype=dtype, batch_invariant=batch_invariant)
         name = served_model_name or model
         serve_engine(eng, host, port, name, max_batch=max_batch,
                      join_bus=functools.partial(WeightBus.join, device=bus_device),

@@ -37,6 +37,7 @@ def sweep(
     """
     from tsrl_cli.cli.train import TrainDisplay
     from tsrl_cli.console import console
+    from tsrl_cli.rundir import sweep_path
 
     with cli_errors():
         from tsrl_cli.sweep import parse_schedules, parse_seeds, plan_sweep
@@ -58,7 +59,7 @@ def sweep(
     failed = [o for o in outcomes or [] if o["outcome"] == "failed"]
     if json_out:
         typer.echo(json.dumps({**plan.as_dict(), "dry_run": dry_run, "outcomes": outcomes,
-                               "sweep_file": None if dry_run else str(plan.out / "sweep.json")}))
+                               "sweep_file": None if dry_run else str(sweep_path(plan.out))}))
     elif outcomes is not None:
         render_outcomes(console, plan, outcomes)
     if failed:
@@ -113,6 +114,8 @@ def render_plan(console, plan, dry_run: bool) -> None:
 def render_outcomes(console, plan, outcomes: list[dict]) -> None:
     from rich.table import Table
 
+    from tsrl_cli.rundir import sweep_path
+
     t = Table(title=f"tsrl sweep: outcomes (step time: mean of rounds {plan.warmup + 1}+ per run)",
               title_justify="left")
     for col in ("experiment", "schedule", "seed", "outcome", "rounds", "step s", "wall s"):
@@ -124,5 +127,5 @@ def render_outcomes(console, plan, outcomes: list[dict]) -> None:
                   o["outcome"] if o["outcome"] != "failed" else f"[red]failed[/red]: {o['error']}",
                   str(o["rounds_on_disk"]), step, wall)
     console.print(t)
-    console.print(f"results in {plan.out} (warm-up recorded in {plan.out / 'sweep.json'}); next: "
+    console.print(f"results in {plan.out} (warm-up recorded in {sweep_path(plan.out)}); next: "
                   f"tsrl report {plan.out} --warmup {plan.warmup}", highlight=False, soft_wrap=True)

@@ -21,10 +21,11 @@ TRAIN_EPILOG = (
 def resolve_train_config(experiment: str | None, sets: list[str], flags: dict, resume: bool):
     """defaults < YAML < --set < flags; on --resume without a YAML, the run's own config.yaml is the YAML."""
     from tsrl_cli.config import load_config
+    from tsrl_cli.rundir import RunDir
 
     cfg = load_config(experiment, sets, flags)
-    if resume and experiment is None and (cfg.run_dir() / "config.yaml").is_file():
-        cfg = load_config(cfg.run_dir() / "config.yaml", sets, flags)
+    if resume and experiment is None and (run := RunDir(cfg.run_dir())).started():
+        cfg = load_config(run.config_path, sets, flags)
     return cfg
 
 
@@ -169,9 +170,9 @@ def _fmt(v, spec: str = ".3f", unit: str = "") -> str:
 def render_summary(console, cfg, s: dict) -> None:
     from rich.table import Table
 
-    from tsrl_cli.rl.runlog import RunLog
+    from tsrl_cli.rundir import METRICS, RunDir
 
-    rows = RunLog(s["run_dir"]).rows("metrics.jsonl")
+    rows = RunDir(s["run_dir"]).rows(METRICS)
     t = Table(title=f"tsrl train: {s['objective']} · {s['schedule']} · seed {s['seed']}"
                     + ("" if s["exact"] else " · off-policy (not exact)"), title_justify="left")
     for col in ("round", "step s", "makespan s", "learner busy s", "idle %", "staleness", "reward", "reward std"):

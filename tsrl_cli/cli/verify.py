@@ -1,42 +1,74 @@
-"""`tsrl verify`: prove on your model that streaming gives the lazy gradient."""
+"""`tsrl verify`: prove on your model that streaming gives the lazy gradient.
+
+The loss options are made from config.LossConfig (`loss_options`): one option per field, with the
+field's default and its comment in config.py as help, so a new loss setting is a `tsrl verify`
+option (and `tsrl train`'s loss.* key) with no edit here.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+import typing
+from dataclasses import MISSING, fields
 from typing import Annotated
 
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt
+from tsrl_cli.config import LossConfig, field_help
+
+LOSS_PANEL = "Loss (tsrl train's loss.* keys)"
+# what verify adds to a loss field's own comment
+LOSS_NOTES = {"kl_coef": "Reference: ref_logprobs in the rollouts file, else the model with seeded weight noise",
+              "buffer_dtype": "bfloat16 is judged at bfloat16's tolerance: the difference printed is its measured error"}
 
 
+def loss_options(command):
+    """`command` with its parameter `loss` replaced by one option per field of LossConfig (kebab-case,
+    LossConfig's default, the field's comments as help); the values reach `command` as one
+    `loss=LossConfig(...)`. Typer reads the signature set here (public inspect, no click)."""
+    hints, helps = typing.get_type_hints(LossConfig), field_help(LossConfig)
+    own = inspect.signature(command, eval_str=True)
+    names = [f.name for f in fields(LossConfig)]
+    clash = set(names) & set(own.parameters)
+    if clash:
+        raise TypeError(f"{command.__name__}: options {sorted(clash)} are also LossConfig fields")
+    generated = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                          default=f.default_factory() if f.default is MISSING else f.default, annotation=Annotated[
+            hints[f.name], typer.Option(help=". ".join(h for h in (helps.get(f.name, ""), LOSS_NOTES.get(f.name, "")) if h),
+                                        rich_help_panel=LOSS_PANEL)])
+        for f in fields(LossConfig)]
+    params = []
+    for p in own.parameters.values():
+        params += generated if p.name == "loss" else [p]
+
+    @functools.wraps(command)
+    def with_loss(**kw):
+        return command(loss=LossConfig(**{n: kw.pop(n) for n in names}), **kw)
+
+    with_loss.__signature__ = own.replace(parameters=params)
+    return with_loss
+
+
+@loss_options
 def verify(
     *,
     model: Annotated[str, typer.Option(help="Model: a local HuggingFace directory (save_pretrained), a hub id, or builtin:tiny.")] = "builtin:tiny",
     rollouts: Annotated[str | None, typer.Option(help="Rollouts JSONL, one trajectory per line (default: random multi-turn rollouts).")] = None,
     objective: Annotated[str, typer.Option(help="grpo or opd.")] = "grpo",
     teacher: Annotated[str | None, typer.Option(help="OPD teacher model (default: teacher_logprobs in the file, else builtin:tiny-teacher).")] = None,
-    loss_agg: Annotated[str, typer.Option(help="token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm | token-sum.")] = "token-mean",
-    adv_norm: Annotated[str, typer.Option(help="GRPO advantage: group = (r-mean)/(std+1e-6); center = r-mean (Dr. GRPO).")] = "group",
-    kl_coef: Annotated[float, typer.Option(help="KL-to-reference loss coefficient; 0 = off. Reference: ref_logprobs in the file, else the model with seeded noise.")] = 0.0,
-    kl_type: Annotated[str, typer.Option(help="KL estimator: k1 | k2 | k3 (= low_var_kl) | abs.")] = "low_var_kl",
-    entropy_coef: Annotated[float, typer.Option(help="Entropy bonus coefficient; 0 = off.")] = 0.0,
-    opd_form: Annotated[str, typer.Option(help="OPD loss: pg (advantage -(logp_s - logp_t), tinker/SkyRL) or k3 (direct loss, verl).")] = "pg",
-    norm_constant: Annotated[float | None, typer.Option(help="Constant C for seq-mean-token-sum-norm (e.g. max response tokens).")] = None,
-    global_batch_size: Annotated[int | None, typer.Option(help="B of the seq-mean-* modes (default: the round's non-empty sequences).")] = None,
-    opd_coef: Annotated[float, typer.Option(help="OPD: coefficient of the per-token distillation term.")] = 1.0,
-    adv_eps: Annotated[float, typer.Option(help="GRPO: epsilon added to the group's std (verl 1e-6).")] = 1e-6,
+    loss: LossConfig,  # one option per field (loss_options)
     dtype: Annotated[str, typer.Option(help="float64 (tolerance 1e-10) | float32 (1e-4) | bfloat16 (5e-2).")] = "float64",
     order: Annotated[str, typer.Option(help="Arrival order of trajectories (GRPO) or turns (OPD): random | given | reverse.")] = "random",
     seed: Annotated[int, typer.Option(help="Seed for the built-in model, random rollouts and the random order.")] = 0,
     groups: Annotated[int, typer.Option(help="Random rollouts: number of groups.")] = 4,
     group_size: Annotated[int, typer.Option(help="Random rollouts: samples per group.")] = 8,
-    max_open_groups: Annotated[int | None, typer.Option(help="Cap on groups holding buffers at once; later groups are computed at their close (still exact).")] = None,
     queued: Annotated[int, typer.Option(help="Arrivals queued before the learner runs: 1 = a backward per arrival; K > 1 = what is queued is micro-batched (one backward per fold target).")] = 1,
     max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows x longest row); default no cap.")] = None,
-    buffer_dtype: Annotated[str, typer.Option(help="Streaming buffers: float32 (float64 for a float64 model) | bfloat16 (opt-in, not exact: the difference printed is its measured error).")] = "float32",
-    buffer_device: Annotated[str, typer.Option(help="Streaming buffers: device (beside the parameters) | cpu (host memory).")] = "device",
     learner_devices: Annotated[str, typer.Option(help="The streaming learner's devices: cpu (one process, default), or a sharded group: cpu:N (N CPU ranks), 0-3, 0,1 (CUDA).")] = "cpu",
     save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
     json_out: JsonOpt = False,
@@ -48,13 +80,8 @@ def verify(
     from tsrl_cli.console import console, progress_printer
 
     with cli_errors():
-        from tsrl_cli.config import LossConfig
         from tsrl_cli.verify import VerifyOptions, run_verify
 
-        loss = LossConfig(loss_agg=loss_agg, adv_norm=adv_norm, adv_eps=adv_eps, kl_coef=kl_coef, kl_type=kl_type,
-                          entropy_coef=entropy_coef, opd_form=opd_form, opd_coef=opd_coef, norm_constant=norm_constant,
-                          global_batch_size=global_batch_size, max_open_groups=max_open_groups,
-                          buffer_dtype=buffer_dtype, buffer_device=buffer_device)
         opts = VerifyOptions(model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss=loss,
                              dtype=dtype, order=order, seed=seed, groups=groups, group_size=group_size,
                              queued=queued, max_microbatch_tokens=max_microbatch_tokens, learners=learner_devices,

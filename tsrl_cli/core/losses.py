@@ -11,9 +11,14 @@ Aggregation is split in two factors so that streaming can apply them at the righ
   Z    = round_scale(mode, ...)      known only when the round closes (N, B are round totals)
 `agg_loss` is verl's formula written directly on a padded (B, T) batch; it is the lazy reference
 and tests check it equals the factored form.
+
+chunked_token_logprobs (the last section) gives token_logprobs' and token_entropy's values and gradients
+from the last hidden states and the LM head, a few positions at a time (learner.logits_chunk_tokens).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -173,3 +178,135 @@ def agg_loss(
     loss = (seq_losses * seq_nonempty).sum() / b  # the mean over sequences
     # seq-mean-token-sum-norm: then / C (verl 0.9; older verl releases divided the plain sum by C alone)
     return loss / norm_constant if mode == "seq-mean-token-sum-norm" else loss
+
+
+# ---- the chunked LM head -----------------------------------------------------------------------------
+# Token log-probs and entropies from the last hidden states and the LM head, a few positions at a time.
+#
+#     chunked_token_logprobs(hidden_B_T_H, weight_V_H, bias_V, ids_B_T, chunk_tokens, entropy)
+#         -> (logp_B_T, ent_B_T or None)
+#
+# The values of token_logprobs and token_entropy (above) on logits = hidden @ weight.T + bias, with
+# their alignment (column j predicts ids[j] from hidden[j - 1]; column 0 is 0) and their dtypes
+# (bf16/fp16 logits are upcast to float32 for the log-softmax), and the same gradients with respect to
+# the hidden states, the head's weight and its bias. What differs is memory: no full-vocabulary tensor
+# longer than `chunk_tokens` positions is ever alive. The forward keeps, per position, only its
+# log-prob, entropy and log-sum-exp; the backward recomputes each chunk's logits from the saved hidden
+# states and the weight, and turns them into that chunk's gradient at once. At T = 32,768 positions and
+# V = 151,936 (Qwen3) the unchunked float32 logits alone are 20 GB; a chunk of 1,024 positions is 0.6 GB.
+#
+# The same idea as Liger-Kernel's fused linear cross-entropy and verl's chunked entropy (both read,
+# neither copied); the gradients are the textbook ones of the log-softmax. For logits z, p = softmax(z),
+# the sampled token t, log-prob l_t = z_t - lse(z) and entropy H = -sum_k p_k log p_k:
+#
+#     dl_t / dz = onehot(t) - p
+#     dH  / dz_k = -p_k (log p_k + H)
+#
+# so the chunk's logit gradient is g_l (onehot - p) - g_H p (log p + H), in float32 like the upcast
+# logits, cast back to the logits' dtype as autograd's backward of `.float()` does; then
+# dhidden = dz @ W, dW = dz^T @ hidden (summed over chunks in float32, or float64 for float64 weights)
+# and dbias = sum dz.
+def _upcast(z: torch.Tensor) -> torch.Tensor:
+    """The log-softmax's dtype (core.losses.token_logprobs): float32 for bf16/fp16 logits."""
+    return z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
+
+
+def _logits(h_C_H: torch.Tensor, w_V_H: torch.Tensor, b_V: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(h_C_H, w_V_H, b_V)
+
+
+def logit_grad(logp_C_V: torch.Tensor, targets_C: torch.Tensor, g_lp_C: torch.Tensor | None,
+               g_ent_C: torch.Tensor | None, ent_C: torch.Tensor) -> torch.Tensor:
+    """(C, V) gradient of sum g_lp l_t + g_ent H with respect to the logits, from their log-softmax:
+    g_lp (onehot(t) - p) - g_ent p (log p + H)."""
+    p = logp_C_V.exp()  # two (C, V) tensors at most beside the input: p and dz, updated in place
+    if g_ent_C is not None:
+        dz = (logp_C_V + ent_C[:, None]).mul_(p).mul_(-g_ent_C[:, None].to(p.dtype))
+    else:
+        dz = torch.zeros_like(logp_C_V)
+    if g_lp_C is not None:
+        g = g_lp_C[:, None].to(dz.dtype)
+        dz.addcmul_(p, g, value=-1.0)
+        dz.scatter_add_(-1, targets_C[:, None], g)
+    return dz
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """(M, H) hidden rows and (M,) targets -> (M,) log-probs and (M,) entropies (empty when not asked)."""
+
+    @staticmethod
+    def forward(ctx, h_M_H, w_V_H, b_V, targets_M, chunk: int, want_entropy: bool, before_backward):
+        lp_parts, ent_parts, lse_parts = [], [], []
+        for s in range(0, h_M_H.shape[0], chunk):
+            z = _upcast(_logits(h_M_H[s:s + chunk], w_V_H, b_V))  # (C, V): the only full-vocabulary tensors
+            logp = torch.log_softmax(z, dim=-1)
+            lp_parts.append(logp.gather(-1, targets_M[s:s + chunk, None]).squeeze(-1))
+            lse_parts.append(torch.logsumexp(z, dim=-1))
+            del z
+            if want_entropy:
+                ent_parts.append(-logp.exp().mul_(logp).sum(-1))
+            del logp
+        lp = torch.cat(lp_parts) if lp_parts else _upcast(h_M_H.new_zeros(0))
+        ent = torch.cat(ent_parts) if ent_parts else lp.new_zeros(0)
+        lse = torch.cat(lse_parts) if lse_parts else lp.new_zeros(0)
+        ctx.save_for_backward(h_M_H, w_V_H, b_V, targets_M, lse, ent)
+        ctx.chunk, ctx.want_entropy, ctx.before_backward = chunk, want_entropy, before_backward
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp_M, g_ent_M):
+        if ctx.before_backward is not None:
+            ctx.before_backward()  # e.g. gather a sharded head again: its storage must be back before it is read
+        h, w, b, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        use_ent = ctx.want_entropy and g_ent_M is not None
+        acc_dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+        dh = torch.empty_like(h) if need_h else None
+        dw = torch.zeros(w.shape, dtype=acc_dtype, device=w.device) if need_w else None
+        db = torch.zeros(b.shape, dtype=acc_dtype, device=b.device) if need_b and b is not None else None
+        for s in range(0, h.shape[0], ctx.chunk):
+            part = slice(s, s + ctx.chunk)
+            hc = h[part]
+            logp = _upcast(_logits(hc, w, b))  # (C, V) logits, then log p from the forward's log-sum-exp
+            logp.sub_(lse[part, None])  # in place: the linear's output is a fresh tensor
+            dz = logit_grad(logp, targets[part], None if g_lp_M is None else g_lp_M[part],
+                            g_ent_M[part] if use_ent else None, ent[part])
+            del logp
+            dz_low = dz.to(h.dtype)  # autograd's backward of the upcast: rounded to the logits' own dtype
+            if dz_low is not dz:
+                dz.copy_(dz_low)  # the same rounded values, in float32 for the sums over chunks below
+            if dh is not None:
+                dh[part] = dz_low @ w
+            if dw is not None:  # summed over chunks in float32 (float64), rounded once at the end, as one matmul is
+                dw.addmm_(dz.t(), hc.to(acc_dtype))
+            if db is not None:
+                db += dz.sum(0)
+            del dz, dz_low
+        return (dh, None if dw is None else dw.to(w.dtype), None if db is None else db.to(b.dtype),
+                None, None, None, None)
+
+
+def chunked_token_logprobs(hidden_B_T_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None,
+                           ids_B_T: torch.Tensor, chunk_tokens: int, entropy: bool = False,
+                           before_backward: Callable[[], None] | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probs of ids and, when asked, (B, T) entropies, `chunk_tokens` positions at a time.
+
+    hidden_B_T_H: the decoder's last hidden states (after the final norm), the LM head's input.
+    chunk_tokens counts positions of the flattened batch (rows x columns), so a chunk may span rows.
+    before_backward: called when each backward reaches this function, before it reads the saved weight
+    (a sharded model's head is freed after a backward and must be gathered again for a second one).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    B, T, H = hidden_B_T_H.shape
+    h = hidden_B_T_H[:, :-1].reshape(-1, H)  # (B (T - 1), H): position j - 1 predicts ids[j]
+    targets = ids_B_T[:, 1:].reshape(-1)
+    lp, ent = _ChunkedHead.apply(h, weight_V_H, bias_V, targets, int(chunk_tokens), bool(entropy), before_backward)
+    lp = torch.cat([lp.new_zeros(B, 1), lp.view(B, T - 1)], dim=1)
+    if not entropy:
+        return lp, None
+    return lp, torch.cat([ent.new_zeros(B, 1), ent.view(B, T - 1)], dim=1)

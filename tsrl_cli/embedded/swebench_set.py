@@ -46,7 +46,8 @@ from tsrl_cli.embedded import repair_suite
 from tsrl_cli.embedded.repair_suite import HELDOUT_REPOS, SRC_DIR, build_repair_suite
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
-from tsrl_cli.sandbox.images import build_image, docker_client, ensure_base_image, image_exists
+from tsrl_cli.sandbox.docker_client import docker_client, image_exists
+from tsrl_cli.sandbox.images import build_image, ensure_base_image
 
 RECIPE = "1"  # bump when the repository, image or row recipe changes: the image tags change with it
 DATE = "2026-01-01T00:00:00+00:00"  # author and committer date of every base commit, and created_at
@@ -240,7 +241,7 @@ def _reusable(build_dir: Path, key: str) -> dict | None:
     paths = [info.get("rows", ""), *info.get("controls", {}).values()]
     if info.get("key") != key or not all(Path(p).is_file() for p in paths):
         return None
-    client = docker_client()
+    client = docker_client(60, "the local SWE-bench-format set")
     try:
         return info if all(image_exists(client, tag) for tag in info["images"].values()) else None
     finally:

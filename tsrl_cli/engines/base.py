@@ -4,6 +4,7 @@ An engine answers a batch of TurnRequests (one model turn each) in one inference
 here, calling `generate` from many Python threads was slower than sequential calls, while
 batching 8 requests gave 5-6x the throughput of one. `TurnBatcher` collects the requests of all
 sessions that are waiting for the model and hands them to the engine together, on one thread.
+`apply_sync` takes one weight sync into any engine (train's engines and `tsrl serve` alike).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import hashlib
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,6 +47,28 @@ class PolicyEngine(Protocol):
     def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]: ...
 
     def update_weights(self, named_tensors, version: int) -> None: ...
+
+
+def apply_sync(engine: PolicyEngine, receive: Callable[[Callable[[dict], None]], dict],
+               first_bucket: Callable[[], None] = lambda: None) -> dict:
+    """Take one weight sync into `engine`: `receive(apply)` (rl/weightbus.py WeightBus.receive) calls
+    apply(named tensors) per bucket as it arrives, and each bucket goes straight into update_weights.
+    The engine keeps its old version until the last bucket is in, then takes the sync's; a version None
+    (the learner had nothing newer) leaves it as it was. `first_bucket()` runs before the first bucket
+    is applied (`tsrl serve` takes its weights lock there). Returns receive's {"version", "bytes", ...}."""
+    started = False
+
+    def apply(bucket: dict) -> None:
+        nonlocal started
+        if not started:
+            first_bucket()
+            started = True
+        engine.update_weights(bucket, engine.version)
+
+    info = receive(apply)
+    if info["version"] is not None:
+        engine.version = info["version"]
+    return info
 
 
 def request_seed(*parts: object) -> int:

@@ -31,13 +31,11 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tsrl_cli.devices import check_available, one_device
-from tsrl_cli.engines.base import SamplingParams, TurnBatcher, TurnOutput, TurnRequest
-from tsrl_cli.engines.load import open_engine
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.base import SamplingParams, TurnBatcher, TurnOutput, TurnRequest, apply_sync
+from tsrl_cli.engines.load import ENGINE_DTYPES, ENGINES, open_engine
 from tsrl_cli.errors import UsageError
 
-ENGINES = ("hf", "vllm")
-DTYPES = ("float32", "float64", "bfloat16", "auto")
 SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound (a torch long)
 
 
@@ -287,7 +285,7 @@ class RolloutServer:
         return {**self.join_status, "policy_version": self.engine.version, "weight_bus": self.join_fn is not None}
 
     def sync(self) -> dict:
-        """Take one sync from the bus: every bucket straight into the engine, the version set at the end."""
+        """Take one sync from the bus (engines/base.py apply_sync), batches held off from its first bucket on."""
         if self._join_thread is None:
             raise ApiError(None, "not on a weight bus: POST /tsrl/weights/join first", status=409)
         self._join_thread.join()
@@ -297,17 +295,13 @@ class RolloutServer:
             start = time.time()
             locked = False
 
-            def apply(bucket) -> None:
+            def lock() -> None:  # from the first bucket on, no batch may run until the version is set
                 nonlocal locked
-                if not locked:  # from the first bucket on, no batch may run until the version is set
-                    self.weights_lock.acquire()
-                    locked = True
-                self.engine.update_weights(bucket, self.engine.version)
+                self.weights_lock.acquire()
+                locked = True
 
             try:
-                info = self.bus.receive(apply)
-                if info["version"] is not None:  # None: the learner had nothing newer
-                    self.engine.version = info["version"]
+                info = apply_sync(self.engine, self.bus.receive, first_bucket=lock)
             except Exception as e:  # noqa: BLE001 - the engine may now hold some buckets of each version
                 if locked:
                     self.broken = f"a weight sync failed half-way ({type(e).__name__}: {e}); restart this server"
@@ -400,19 +394,19 @@ def serve(engine, host: str, port: int, model_name: str, ready_cb: Callable[[str
         srv.shutdown()
 
 
-def load_engine(model: str, engine: str = "hf", device: str = "cpu", dtype: str = "auto",
-                batch_invariant: bool = False):
-    """(engine, bus device) for `tsrl serve`: the policy in `model` (a save_pretrained folder) on `device`.
+def open_served_engine(model: str, engine: str = "hf", device: str = "cpu", dtype: str = "auto",
+                       batch_invariant: bool = False):
+    """(engine, bus device) for `tsrl serve`: the policy in `model` (a save_pretrained folder) on `device`,
+    every option checked before anything loads; the engine itself from engines/load.py open_engine.
 
     dtype auto: the hf engine loads bfloat16 on CUDA and float32 on CPU; vLLM reads the model's config.
     The bus device is where weight-bus buckets land (cuda:N lets an hf server join an NCCL bus).
     """
     if engine not in ENGINES:
         raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    dev = one_device(device, "--device")
-    check_available(dev, "--device")
+    if dtype not in ENGINE_DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: use one of {', '.join(ENGINE_DTYPES)}")
+    dev = engine_device(device, "--device")
     if not (Path(model) / "config.json").is_file():
         raise UsageError(f"--model {model}: not a model directory (no config.json); pass a folder written by "
                          "save_pretrained (model + tokenizer)")

@@ -32,6 +32,7 @@ class VLLMEngine:
             ) from None
         llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         self.llm = LLM(model=str(model), dtype=dtype, seed=seed, **llm_kwargs)
+        self.dtype = dtype  # as asked: auto is the dtype in the model's config
         self.version = 0
 
     def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:

@@ -27,20 +27,21 @@ from pathlib import Path
 from tsrl_cli.agent.loop import AgentLimits
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.datasets.store import Dataset, open_dataset, prepare_hint
-from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.load import engine_config, engine_on_model, open_engine
 from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
     DEFAULT_LIMITS,
     SUMMARY,
     Job,
+    chatml_tokenizer,
     make_jobs,
     open_out_dir,
     run_jobs,
-    summarize,
+    summarize_eval,
 )
 from tsrl_cli.files import write_json_atomic
-from tsrl_cli.policy import load_policy
 
 LABEL = "embedded held-out (local sandbox, tiny model)"
 DEFAULT_MODEL = "data/embedded_policy/student"
@@ -124,8 +125,9 @@ def evaluate_embedded(
     """Run the agent on held-out embedded tasks; returns the summary (see module docstring).
 
     Args:
-        model: a loaded causal LM (served by the hf engine); its train/eval mode is restored after.
-            Ignored when `engine` is given (any PolicyEngine, e.g. a scripted one in tests).
+        model: a loaded causal LM, served by the hf engine on its own device and dtype
+            (engines/load.py engine_on_model); its train/eval mode is restored after. Ignored when
+            `engine` is given (an opened engine, or a scripted one in tests).
         datasets: prepared dataset names or folders, or opened datasets (datasets.store.open_dataset).
         samples, seeds: trajectories per task and seed; n in the summary counts all of them.
         temperature: 0 = greedy (the default for evaluation).
@@ -134,23 +136,22 @@ def evaluate_embedded(
     """
     loaded = [d if isinstance(d, Dataset) else open_dataset(d, limit) for d in datasets]
     jobs = make_jobs(loaded, samples, seeds)
-    config = {"model": model_name, "engine": "hf" if engine is None else type(engine).__name__,
-              "temperature": temperature, "top_p": 1.0, "limits": asdict(limits), "executor": "local", "label": LABEL}
     ChatMLRenderer(tokenizer)  # a tokenizer the agent cannot use fails before out_dir is written
-    log = open_out_dir(out_dir, config) if out_dir is not None else None
     was_training = getattr(model, "training", False)
     if engine is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        engine = HFEngine(model, pad_id=pad)  # HFEngine puts the model in eval mode
+        engine = engine_on_model(model, tokenizer)  # the hf engine puts the model in eval mode
+    config = {"model": model_name, **engine_config(engine), "temperature": temperature, "top_p": 1.0,
+              "limits": asdict(limits), "executor": "local", "label": LABEL}
     t0 = time.perf_counter()
     try:
+        log = open_out_dir(out_dir, config) if out_dir is not None else None
         records = run_jobs(engine, tokenizer, jobs, make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
                            collect_patch=local_patch, temperature=temperature, limits=limits, concurrency=concurrency,
                            max_batch=max_batch, log=log, progress=progress)
     finally:
         if was_training:
             model.train()
-    summary = summarize(records, label=LABEL, datasets=[d.name for d in loaded])
+    summary = summarize_eval(records, label=LABEL, datasets=[d.name for d in loaded])
     summary.update(config=config, samples=samples, seeds=list(seeds), wall_s=round(time.perf_counter() - t0, 1),
                    out=str(out_dir) if out_dir is not None else None)
     if out_dir is not None:
@@ -159,14 +160,19 @@ def evaluate_embedded(
 
 
 def run_embedded_eval(model_dir: str = DEFAULT_MODEL, datasets: Iterable[str] = DEFAULT_DATASETS, *,
-                      out_dir: str | Path | None = None, **kw) -> dict:
-    """`tsrl eval embedded`: check the inputs, load the policy directory, evaluate, write the results."""
+                      out_dir: str | Path | None = None, device: str | None = None, samples: int = 1,
+                      seeds: Iterable[int] = (0,), limit: int | None = None, **kw) -> dict:
+    """`tsrl eval embedded`: check the inputs, open the policy directory's hf engine on `device` (None: the
+    first GPU where there is one, else cpu; devices.engine_device), evaluate, write the results."""
     if not (Path(model_dir) / "config.json").is_file():
         raise UsageError(f"--model {model_dir}: no policy directory there (no config.json); {prepare_hint('embedded_repair_train')}, "
                          "or pass --model DIR (any save_pretrained directory with its tokenizer, e.g. a tsrl train checkpoint)")
-    limit = kw.pop("limit", None)
     loaded = [open_dataset(d, limit) for d in datasets]
-
-    model, tok = load_policy(model_dir)
+    seeds = tuple(seeds)
+    make_jobs(loaded, samples, seeds)  # --samples and --seed checked before the model loads
+    dev = engine_device(device)
+    tok = chatml_tokenizer(model_dir)
+    engine, _ = open_engine(model_dir, "hf", (dev,))
     out_dir = out_dir if out_dir is not None else Path("results/eval") / f"embedded-{Path(model_dir).resolve().name}"
-    return evaluate_embedded(model, tok, loaded, out_dir=out_dir, model_name=str(model_dir), **kw)
+    return evaluate_embedded(None, tok, loaded, out_dir=out_dir, model_name=str(model_dir), engine=engine,
+                             samples=samples, seeds=seeds, **kw)

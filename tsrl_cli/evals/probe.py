@@ -20,9 +20,11 @@ from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
 from tsrl_cli.datasets.store import Dataset, open_dataset
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.load import engine_config, open_engine
 from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
-from tsrl_cli.evals.runner import SUMMARY, load_engine, make_jobs, open_out_dir, record_key, run_jobs
+from tsrl_cli.evals.runner import SUMMARY, chatml_tokenizer, make_jobs, open_out_dir, record_key, run_jobs
 from tsrl_cli.files import write_json_atomic
 from tsrl_cli.policy import weights_sha256
 
@@ -38,11 +40,13 @@ def expand_task_sets(names: Iterable[str]) -> list[str]:
 def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("embedded-train",), *, samples: int = 8,
                  temperature: float = 1.0, seed: int = 0, limit: int | None = None,
                  out_dir: str | Path | None = None, limits: AgentLimits = AgentLimits(), concurrency: int = 16,
-                 max_batch: int = 16, policy=None, progress: Callable[[str], None] | None = None) -> dict:
+                 max_batch: int = 16, policy=None, device: str | None = None,
+                 progress: Callable[[str], None] | None = None) -> dict:
     """Sample every task `samples` times at `temperature`; returns the summary (also OUT/summary.json).
 
-    `policy` = (engine, tokenizer): probe that instead of loading `model_dir` (an in-memory model being
-    trained, `HFEngine(model)`; model_dir then only names it).
+    The hf engine opens `model_dir` on `device` (None: the first GPU where there is one, else cpu).
+    `policy` = (engine, tokenizer): probe that instead (an in-memory model being trained, through
+    engines/load.py engine_on_model; model_dir then only names it).
     """
     if samples < 1:
         raise UsageError(f"--samples {samples}: must be >= 1")
@@ -55,11 +59,15 @@ def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("em
         loaded += [d] if isinstance(d, Dataset) else [open_dataset(n, limit) for n in expand_task_sets([d])]
     names = [d.name for d in loaded]
     out = Path(out_dir) if out_dir is not None else Path("results/probe") / Path(model_dir).resolve().name
+    if policy is None:  # a bad model fails before OUT exists
+        dev = engine_device(device)
+        tok = chatml_tokenizer(str(model_dir))
+        engine, _ = open_engine(str(model_dir), "hf", (dev,))
+    else:
+        engine, tok = policy
     config = {"model": str(model_dir), "model_sha256": None if policy else weights_sha256(model_dir),
-              "engine": "hf" if policy is None else type(policy[0]).__name__,
-              "temperature": temperature, "top_p": 1.0, "limits": asdict(limits), "executor": "local",
-              "label": f"policy probe on {', '.join(names)} (local sandbox)"}
-    engine, tok = load_engine(str(model_dir), "hf") if policy is None else policy  # a bad model fails before OUT exists
+              **engine_config(engine), "temperature": temperature, "top_p": 1.0, "limits": asdict(limits),
+              "executor": "local", "label": f"policy probe on {', '.join(names)} (local sandbox)"}
     log = open_out_dir(out, config)
     jobs = make_jobs(loaded, samples, seeds=(seed,))
     keys = {j.key for j in jobs}

@@ -5,8 +5,9 @@ in training and `tsrl policy probe`. What changes between the embedded suite, Te
 SWE-bench is only the environment factory (`make_env(job)`) and the patch collector.
 
 Output folder (results/eval/<name>/):
-  config.json    the settings that make records comparable (model, engine, sampling, limits,
-                 executor). A re-run with other settings is refused rather than mixed in.
+  config.json    the settings that make records comparable (model, engine and its dtype, sampling,
+                 limits, executor; the device is recorded too). A re-run with other settings is
+                 refused rather than mixed in.
   records.jsonl  one JSON line per finished instance x sample x seed, each written with one
                  write() and flushed as it finishes; a line torn by a crash is dropped on resume.
   summary.json   resolved rate, n and Wilson 95 % interval per dataset (and per seed when there are
@@ -32,17 +33,16 @@ from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.datasets.store import Dataset
 from tsrl_cli.engines.base import SamplingParams, TurnBatcher
-from tsrl_cli.engines.hf import HFEngine
-from tsrl_cli.engines.vllm import VLLMEngine
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.stats import wilson_interval
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
-from tsrl_cli.policy import load_policy, load_tokenizer
-from tsrl_cli.sandbox.docker import docker_unavailable_reason as sdk_reason
+from tsrl_cli.policy import load_tokenizer
+from tsrl_cli.sandbox.docker_client import docker_unavailable_reason as sdk_reason
 
 RECORDS, SUMMARY, CONFIG = "records.jsonl", "summary.json", "config.json"
 # Settings that change what a record means: a resumed run must use the same ones.
-CONFIG_KEYS = ("model", "model_sha256", "engine", "temperature", "top_p", "limits", "executor", "label")
+# The device is recorded beside them but may change (resume on another machine); the dtype may not.
+CONFIG_KEYS = ("model", "model_sha256", "engine", "dtype", "temperature", "top_p", "limits", "executor", "label")
 DEFAULT_LIMITS = AgentLimits()  # the limits the embedded policy is trained with
 AGENTS = ("policy", "oracle", "nop")  # the model; the task's reference solution; no action (Harbor's names)
 
@@ -132,20 +132,13 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
     return RecordLog(out / RECORDS)
 
 
-def load_engine(model: str, engine: str):
-    """(PolicyEngine, tokenizer) for a policy directory or hub id: `hf` (transformers) or `vllm`.
-
-    The tokenizer is checked for ChatML here, so a policy the agent cannot talk to fails before any output.
-    """
-    if engine == "hf":
-        m, tok = load_policy(model)
-        ChatMLRenderer(tok)
-        return HFEngine(m, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0), tok
-    if engine == "vllm":
-        tok = load_tokenizer(model)
-        ChatMLRenderer(tok)
-        return VLLMEngine(model), tok
-    raise UsageError(f"--engine {engine!r}: use hf or vllm")
+def chatml_tokenizer(model: str):
+    """The tokenizer of a policy directory or hub id, checked for ChatML: called before any output is
+    written, so a policy the agent cannot talk to fails first. The engine itself comes from
+    engines/load.py open_engine."""
+    tok = load_tokenizer(model)
+    ChatMLRenderer(tok)
+    return tok
 
 
 # -- running ---------------------------------------------------------------------------------------------------
@@ -288,7 +281,7 @@ def _part(recs: list[dict]) -> dict:
     }
 
 
-def summarize(records: list[dict], *, label: str, datasets: list[str]) -> dict:
+def summarize_eval(records: list[dict], *, label: str, datasets: list[str]) -> dict:
     """Resolved rate, n and Wilson 95 % interval per dataset, per seed when several, and overall.
 
     n counts graded trajectories (instance x sample x seed); environment errors and ungraded

@@ -41,22 +41,25 @@ from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits, RewardResult
 from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.load import ENGINES, engine_config, open_engine
 from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.runner import (
     AGENTS,
     SUMMARY,
     RecordLog,
-    load_engine,
+    chatml_tokenizer,
     make_jobs,
     open_out_dir,
     require_docker,
     run_jobs,
     select_instances,
-    summarize,
+    summarize_eval,
 )
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
 from tsrl_cli.sandbox import Limits
+from tsrl_cli.sandbox.docker_client import docker_client, image_exists
 
 HARNESS_MAJOR = 5
 PREDICTIONS = "predictions.jsonl"
@@ -233,7 +236,7 @@ def summary_from_report(report: dict, instance_ids: list[str], dataset: str, lab
     resolved = set(report.get("resolved_ids", []))
     records = [{"dataset": dataset, "instance_id": i, "sample": 0, "seed": 0, "resolved": i in resolved,
                 "reward": float(i in resolved)} for i in instance_ids]
-    s = summarize(records, label=label_, datasets=[dataset])
+    s = summarize_eval(records, label=label_, datasets=[dataset])
     s["harness"] = {k: report.get(k) for k in ("total_instances", "submitted_instances", "completed_instances",
                                                  "resolved_instances", "unresolved_instances", "empty_patch_instances",
                                                  "error_instances", "infra_failure_instances", "error_ids",
@@ -260,17 +263,9 @@ class SWEbenchEnv(RepairEnv):
 
 def missing_images(images: list[str]) -> list[str]:
     """The images this machine's Docker daemon does not have, in the given order, once each."""
-    import docker
-
-    client = docker.from_env(timeout=60)
+    client = docker_client(60, "tsrl eval swebench")
     try:
-        out = []
-        for image in dict.fromkeys(images):
-            try:
-                client.images.get(image)
-            except docker.errors.ImageNotFound:
-                out.append(image)
-        return out
+        return [image for image in dict.fromkeys(images) if not image_exists(client, image)]
     finally:
         client.close()
 
@@ -295,8 +290,12 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
                  instances: list[str] | None = None, workers: int = 4, temperature: float = 0.0,
                  max_turns: int | None = None, out_dir: str | Path | None = None, grade_only: str | None = None,
                  harness_dataset: str | None = None, no_grade: bool = False, timeout_s: int = 1800,
-                 agent: str = "policy", progress: Callable[[str], None] = lambda m: None) -> dict:
-    """`tsrl eval swebench`: rollouts -> predictions.jsonl -> official harness -> summary (see module docstring)."""
+                 agent: str = "policy", device: str | None = None,
+                 progress: Callable[[str], None] = lambda m: None) -> dict:
+    """`tsrl eval swebench`: rollouts -> predictions.jsonl -> official harness -> summary (see module docstring).
+
+    The policy's engine (`engine` hf or vllm) opens on `device` (None: the first GPU where there is one,
+    else cpu) once Docker, the harness and the images are there, before anything is written."""
     if grade_only is not None:
         return _grade_only(grade_only, dataset, harness_dataset, out_dir, workers, timeout_s, instances, progress)
     if agent not in AGENTS:
@@ -307,6 +306,9 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
         raise UsageError(f"--agent {agent} needs no model: drop --model {model}")
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be >= 1")
+    if agent == "policy" and engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    dev = engine_device(device) if agent == "policy" else None
 
     ds = open_dataset(dataset, hint=DATASET_HINT)
     if any(t.kind != "repair" for t in ds.tasks):
@@ -325,14 +327,18 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     require_images([t.image for t in tasks], dataset)
 
     limits = DEFAULT_LIMITS if max_turns is None else AgentLimits(**{**DEFAULT_LIMITS.__dict__, "max_turns": max_turns})
-    config = {"model": model_name, "engine": engine if agent == "policy" else "none", "temperature": temperature,
-              "top_p": 1.0, "limits": dict(limits.__dict__), "executor": "docker", "label": label(version, name, agent)}
+    pol, tok = None, None
+    if agent == "policy":
+        tok = chatml_tokenizer(model)
+        pol, _ = open_engine(model, engine, (dev,))
+    engines = engine_config(pol) if pol is not None else {"engine": "none", "dtype": None, "device": None}
+    config = {"model": model_name, **engines, "temperature": temperature, "top_p": 1.0,
+              "limits": dict(limits.__dict__), "executor": "docker", "label": label(version, name, agent)}
     log = open_out_dir(out, config)
     harness_ds = harness_dataset
     if rows:
         write_jsonl_atomic(out / HARNESS_ROWS, rows)
         harness_ds = str((out / HARNESS_ROWS).resolve())
-    pol, tok = load_engine(model, engine) if agent == "policy" else (None, None)
     t0 = time.perf_counter()
     jobs = make_jobs([ds], samples=1, seeds=(0,))
     records = run_jobs(pol, tok, jobs, make_env=lambda j: SWEbenchEnv(j.task), collect_patch=_swebench_patch,
@@ -343,7 +349,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,
             "errors": [r["instance_id"] for r in records if r.get("error")]}
     if no_grade or not preds:
-        s = summarize(records, label=label(version, name, agent), datasets=[name])
+        s = summarize_eval(records, label=label(version, name, agent), datasets=[name])
         s.update(base, graded=False, wall_s=round(time.perf_counter() - t0, 1))
         write_json_atomic(out / SUMMARY, s, sort_keys=True)
         return s
@@ -354,7 +360,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
         if not r.get("error"):
             r["resolved"], r["reward"] = r["instance_id"] in resolved, float(r["instance_id"] in resolved)
     _rewrite_graded(log, records)
-    s = summarize(records, label=label(version, name, agent), datasets=[name])
+    s = summarize_eval(records, label=label(version, name, agent), datasets=[name])
     s.update(base, graded=True, harness={k: report.get(k) for k in ("resolved_instances", "unresolved_instances",
                                                                       "empty_patch_instances", "error_instances",
                                                                       "error_ids", "schema_version")},

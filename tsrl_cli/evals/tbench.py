@@ -35,19 +35,21 @@ from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
 from tsrl_cli.datasets.store import open_dataset
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.load import ENGINES, engine_config, open_engine
 from tsrl_cli.envs.images import build_task_images
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
     AGENTS,
     SUMMARY,
-    load_engine,
+    chatml_tokenizer,
     make_jobs,
     open_out_dir,
     require_docker,
     run_jobs,
     select_instances,
-    summarize,
+    summarize_eval,
 )
 from tsrl_cli.files import write_json_atomic
 from tsrl_cli.sandbox.images import HARBOR_VERSION, ensure_harbor_image
@@ -86,11 +88,13 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
                seeds: tuple[int, ...] = (0,), temperature: float = 0.0, max_turns: int | None = None,
                limit: int | None = None, instances: list[str] | None = None, out_dir: str | Path | None = None,
                workers: int = 16, policy=None, progress: Callable[[str], None] | None = None,
-               agent: str = "policy", base_images: dict[str, str] | None = None) -> dict:
+               agent: str = "policy", base_images: dict[str, str] | None = None, device: str | None = None) -> dict:
     """Run tsrl's agent loop on each task in its environment, score with tests/test.sh, summarize.
 
-    `policy` = (engine, tokenizer) skips loading `model` (tests pass a scripted engine). `agent`
-    oracle|nop: the controls (runner.run_jobs). `base_images`: {FROM: local image} for the builds.
+    `model` opens in the `engine` (hf or vllm) on `device` (None: the first GPU where there is one, else
+    cpu), after the task images are built. `policy` = (engine, tokenizer) skips loading `model` (tests
+    pass a scripted engine). `agent` oracle|nop: the controls (runner.run_jobs). `base_images`: {FROM:
+    local image} for the builds.
     """
     ds = _select(dataset, limit, instances)
     name, tasks, source = ds.name, ds.tasks, ds.manifest.get("source", "?")
@@ -105,6 +109,12 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
         raise UsageError(f"--executor {executor!r}: use docker or local")
     if policy is None and not model and agent == "policy":
         raise UsageError("--model DIR_OR_ID is required (or --agent oracle|nop)")
+    opens = agent == "policy" and policy is None  # the engine is opened here (else given, or none at all)
+    if opens:
+        if engine not in ENGINES:
+            raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+        dev = engine_device(device)
+        tok = chatml_tokenizer(model)  # before any output, the builds' logs included
     if max_turns is not None:
         base = replace(base, max_turns=max_turns)
 
@@ -114,9 +124,8 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
 
     lab = label(name, source, executor) + ("" if agent == "policy" else f" [{agent} agent]")
     model_name = (model or "<given engine>") if agent == "policy" else f"tsrl-{agent}"
-    config = {"model": model_name, "engine": "none" if agent != "policy" else
-              engine if policy is None else type(policy[0]).__name__,
-              "temperature": temperature, "top_p": 1.0, "limits": asdict(base), "executor": executor, "label": lab}
+    config = {"model": model_name, "temperature": temperature, "top_p": 1.0, "limits": asdict(base),
+              "executor": executor, "label": lab}
     out = Path(out_dir) if out_dir is not None else Path("results/eval") / f"tbench-{name}-{Path(model_name).name}"
     images: dict[str, str] = {}
     if executor == "docker":  # every task's image before any model is loaded: a failed build is one line
@@ -125,11 +134,14 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
         config["base_images"] = used
         if used:  # not the tasks' own environments: the label says so
             config["label"] = lab = lab + " (FROM mapped to local images)"
-    log = open_out_dir(out, config)
     if agent != "policy":
         pol, tok = None, None
+    elif policy is not None:
+        pol, tok = policy
     else:
-        pol, tok = policy if policy is not None else load_engine(model, engine)
+        pol, _ = open_engine(model, engine, (dev,))
+    config.update(engine_config(pol) if pol is not None else {"engine": "none", "dtype": None, "device": None})
+    log = open_out_dir(out, config)
 
     def make_env(job):
         if executor == "docker":
@@ -139,7 +151,7 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
     t0 = time.perf_counter()
     records = run_jobs(pol, tok, make_jobs([ds], samples, seeds), make_env=make_env, temperature=temperature,
                        limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress, agent=agent)
-    s = summarize(records, label=lab, datasets=[name])
+    s = summarize_eval(records, label=lab, datasets=[name])
     s.update(config=config, samples=samples, seeds=list(seeds), out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     write_json_atomic(out / SUMMARY, s, sort_keys=True)
     return s

@@ -11,7 +11,6 @@ with a note in REPORT.md; nothing is filled in that was not measured.
 from __future__ import annotations
 
 import io
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +22,7 @@ from tsrl_cli.report import plots, tables
 from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS
 from tsrl_cli.report.load import Results, Run, load_results, numeric
 from tsrl_cli.report.tables import Table, records, to_csv
+from tsrl_cli.rundir import read_sweep
 
 # the ThunderSyncRL technical report (2026-10-05), as this project digested it: verbatim numbers, none of
 # them measured by this project.
@@ -59,10 +59,7 @@ class ReportOptions:
 
 def sweep_warmup(root: Path) -> int:
     """The warm-up `tsrl sweep` planned with (RESULTS_DIR/sweep.json), else the paper's 4 rounds."""
-    try:
-        w = json.loads((root / "sweep.json").read_text()).get("warmup")
-    except (OSError, ValueError, AttributeError):
-        return WARMUP_ROUNDS
+    w = read_sweep(root).get("warmup")
     return w if isinstance(w, int) and w >= 0 else WARMUP_ROUNDS
 
 
@@ -189,8 +186,12 @@ def _ours(t: dict[str, Table], spread: list[dict], res: Results) -> dict[str, st
     o = {}
     o["idle"] = "; ".join(f"{e}: {pm(r, 'learner_idle_frac', 100)} %" for e, r in _rows(t["learner_idle"], "sync").items()
                           if r["learner_idle_frac_mean"] is not None)
+    def idle(r):  # percent, or '–'
+        return f(100 * r["learner_idle_frac_mean"]) if r["learner_idle_frac_mean"] is not None else "–"
+
     o["step"] = "; ".join(f"{e}: {f(sync[e]['step_time_s_mean'])} s -> {f(stream[e]['step_time_s_mean'])} s "
-                          f"({pm(stream[e], 'speedup')}x)" for e in both if stream[e]["speedup_mean"] is not None)
+                          f"({pm(stream[e], 'speedup')}x over the {stream[e]['sync_baseline']}, learner idle "
+                          f"{idle(sync[e])} % -> {idle(stream[e])} %)" for e in both if stream[e]["speedup_mean"] is not None)
     for obj in ("grpo", "opd"):
         pts = [r for r in spread if r["objective"] == obj and r["schedule"] == "stream" and r["speedup_mean"]]
         if pts:
@@ -198,7 +199,8 @@ def _ours(t: dict[str, Table], spread: list[dict], res: Results) -> dict[str, st
             o[f"spread_{obj}"] = (f"{a['spread_key']}={f(a['spread'])}: {f(a['speedup_mean'])}x -> "
                                   f"{f(b['spread'])}: {f(b['speedup_mean'])}x ({len(pts)} spreads)")
     o["balance"] = "; ".join(f"{e} (learner busy / makespan {f(stream[e]['balance_busy_over_makespan'])}): "
-                             f"{f(stream[e]['speedup_mean'])}x" for e in both if stream[e]["speedup_mean"] is not None)
+                             f"{f(stream[e]['speedup_mean'])}x over the {stream[e]['sync_baseline']}"
+                             for e in both if stream[e]["speedup_mean"] is not None)
     tt_sync, tt_stream = _rows(t["device_hours_to_target"], "sync"), _rows(t["device_hours_to_target"], "stream")
     o["target"] = "; ".join(
         f"{e}: {f(tt_sync[e]['device_s_mean'] / 3600)} -> {f(tt_stream[e]['device_s_mean'] / 3600)} device-hours "

@@ -10,15 +10,16 @@ of rounds, one row per (experiment, schedule, seed, round) with every metric as 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
-from tsrl_cli.files import read_text, run_events
+from tsrl_cli.config import ConfigError
+from tsrl_cli.devices import parse_devices
+from tsrl_cli.errors import UsageError
+from tsrl_cli.rundir import EVENTS, METRICS, SKIP, RunDir, runs_under
 
 RUN = ["experiment", "schedule", "seed"]
 _SEED_DIR = re.compile(r"seed(-?\d+)$")
@@ -58,8 +59,12 @@ class Run:
     setup: Setup | None = None
 
     @property
+    def dir(self) -> RunDir:
+        return RunDir(self.path)
+
+    @property
     def events_path(self) -> Path:
-        return run_events(self.path)
+        return self.dir.file(EVENTS)
 
     @property
     def name(self) -> str:
@@ -77,22 +82,22 @@ def load_results(root: str | Path, include_partial: bool = False) -> Results:
     """Every run under root, its rounds as one frame, and notes on what was left out."""
     root = Path(root)
     runs, records, notes = [], [], []
-    for metrics in sorted(root.rglob("metrics.jsonl")):
-        d = metrics.parent
+    for rd in runs_under(root):
+        d, metrics = rd.root, rd.file(METRICS)
         m = _SEED_DIR.match(d.name)
         rel = d.relative_to(root).parts
         if m is None or len(rel) < 3:
             notes.append(f"{d}: not <experiment>/<schedule>/seed<k>/, skipped")
             continue
-        done = (d / "DONE").is_file()
+        done = rd.done()
         if not done and not include_partial:
             notes.append(f"{d.relative_to(root)}: no DONE (unfinished run), skipped; --include-partial counts it")
             continue
         run = Run("/".join(rel[:-2]), rel[-2], int(m.group(1)), d, done)
-        rounds, bad = _merged_rounds(metrics)
+        rounds, bad = _merged_rounds(rd)
         if bad:
             notes.append(f"{metrics.relative_to(root)}: {bad} unreadable line(s) ignored")
-        run.config = _read_config(d / "config.yaml", notes)
+        run.config = _read_config(rd, run.name, notes)
         run.setup = run_setup(run.config)
         if run.setup.devices is None:
             notes.append(f"{run.name}: {run.setup.placement}, so no device-hours")
@@ -129,12 +134,13 @@ def run_setup(config: dict) -> Setup:
         return Setup(None, None, "no devices in config.yaml", model, tasks)
     remote = config_value(config, "rollout.engine") == "openai"  # rollouts served elsewhere (tsrl serve)
     try:
-        rollout = [] if remote else device_list(dev.get("rollout", "cpu"))
-        learner = device_list(dev.get("learner", "cpu"))
+        rollout = [] if remote else list(parse_devices(dev.get("rollout", "cpu"), "devices.rollout"))
+        learner = list(parse_devices(dev.get("learner", "cpu"), "devices.learner"))
         teacher = []
         if config.get("objective") == "opd":  # the teacher defaults to the rollout side's first device
-            teacher = device_list(dev["teacher"]) if dev.get("teacher") is not None else rollout[:1] or ["cpu"]
-    except ValueError as e:
+            teacher = list(parse_devices(dev["teacher"], "devices.teacher")) if dev.get("teacher") is not None \
+                else rollout[:1] or ["cpu"]
+    except UsageError as e:
         return Setup(None, None, f"unreadable devices ({e})", model, tasks)
     held = rollout + learner + teacher
     gpus = {d for d in held if d.startswith("cuda")}
@@ -143,29 +149,6 @@ def run_setup(config: dict) -> Setup:
     teacher_part = f", teacher {teacher[0]}" if teacher else ""
     placement = f"rollout {'remote' if remote else dev.get('rollout', 'cpu')}, learner {dev.get('learner', 'cpu')}"
     return Setup(kind, n, placement + teacher_part, model, tasks)
-
-
-def device_list(spec) -> list[str]:
-    """A device spec as one name per process rank or replica: 'cpu:2' -> [cpu, cpu], '0-1' -> [cuda:0, cuda:1].
-
-    The grammar of tsrl_cli/devices.py (parse_devices), which imports torch; the report reads
-    configs without it.
-    """
-    s = str(spec).strip().lower()
-    if s in ("cpu", "mps"):
-        return [s]
-    if m := re.fullmatch(r"cpu:(\d+)", s):
-        return ["cpu"] * int(m[1])
-    out = []
-    for part in s.split(","):
-        part = part.strip()
-        if m := re.fullmatch(r"(?:cuda:)?(\d+)", part):
-            out.append(f"cuda:{int(m[1])}")
-        elif m := re.fullmatch(r"(\d+)-(\d+)", part):
-            out += [f"cuda:{i}" for i in range(int(m[1]), int(m[2]) + 1)]
-        else:
-            raise ValueError(f"{spec!r} is not a device list")
-    return out
 
 
 def config_value(config: dict, dotted: str):
@@ -187,29 +170,13 @@ def flat_config(config: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def read_jsonl(p: Path) -> tuple[list[dict], int]:
-    """Rows that parse as JSON objects, and how many lines did not (a run may be mid-write)."""
-    rows, bad = [], 0
-    for line in read_text(p).splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
-
-
-def _merged_rounds(p: Path) -> tuple[dict[int, dict], int]:
-    """Rows of the same round (the round row, an eval row) merged; a later non-null value wins."""
-    rows, bad = read_jsonl(p)
+def _merged_rounds(rd: RunDir) -> tuple[dict[int, dict], int]:
+    """Rows of the same round (the round row, an eval row) merged; a later non-null value wins. Lines
+    that are no JSON object, or have no integer round, are counted (a run may be mid-write)."""
+    got = rd.read(METRICS, SKIP)
+    bad = got.skipped
     out: dict[int, dict] = {}
-    for row in rows:
+    for row in got.rows:
         k = row.get("round")
         if not isinstance(k, int) or isinstance(k, bool):
             bad += 1
@@ -218,12 +185,18 @@ def _merged_rounds(p: Path) -> tuple[dict[int, dict], int]:
     return dict(sorted(out.items())), bad
 
 
-def _read_config(p: Path, notes: list[str]) -> dict:
-    if not p.is_file():
-        return {}
+def _read_config(rd: RunDir, name: str, notes: list[str]) -> dict:
+    """The run's config.yaml as written (the report reads keys by dotted path). A file that is no YAML
+    mapping is ignored with a note; one this version's load_config refuses (a key since renamed or
+    removed) is still read as written, with a note naming the key."""
     try:
-        cfg = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        notes.append(f"{p}: config.yaml unreadable ({type(e).__name__}), ignored")
+        cfg = rd.config_dict()
+    except ConfigError as e:
+        notes.append(f"{e}; ignored")
         return {}
-    return cfg if isinstance(cfg, dict) else {}
+    if cfg:
+        try:
+            rd.config()
+        except ConfigError as e:
+            notes.append(f"{name}: config.yaml does not load in this version ({e}); its keys are read as written")
+    return cfg

@@ -19,22 +19,27 @@ BAR_COLOR = {"rollout": "tab:green", "backward": "tab:blue", "batch_backward": "
 
 
 def speedup_vs_spread(rows: list[dict], ax) -> None:
-    """Measured speedup over sync (mean, 95 % interval over seeds) per objective and schedule, the
-    model's prediction from the stream traces (dashed), and the 2x overlap ceiling."""
+    """Measured speedup over sync (mean, 95 % interval over seeds) per objective, schedule and sync baseline
+    (padded lazy batch or per-item), the model's prediction from the stream traces (dashed), and the 2x
+    overlap ceiling."""
     series: dict[tuple, list[dict]] = {}
     for r in rows:
-        series.setdefault((r["objective"], r["schedule"]), []).append(r)
-    for (obj, sched), rs in series.items():
+        series.setdefault((r["objective"], r["schedule"], r.get("sync_baseline")), []).append(r)
+    several = len({k[2] for k in series}) > 1
+    for (obj, sched, base), rs in series.items():
         rs = sorted(rs, key=lambda r: r["spread"])
         x = [r["spread"] for r in rs]
         y = [r["speedup_mean"] for r in rs]
         err = [[(r["speedup_mean"] - r["speedup_ci_low"]) if r["speedup_ci_low"] is not None else 0 for r in rs],
                [(r["speedup_ci_high"] - r["speedup_mean"]) if r["speedup_ci_high"] is not None else 0 for r in rs]]
         color = SCHEDULE_COLOR.get(sched)
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, color=color, label=f"{obj or '?'} {sched} (measured)")
+        per_item = base is not None and base.startswith("per-item")
+        name = f"{obj or '?'} {sched}" + (f" over the {base} sync" if several and base else "")
+        ax.errorbar(x, y, yerr=err, marker="D" if per_item else "o", capsize=3, color=color,
+                    mfc="white" if per_item else color, label=f"{name} (measured)")
         pred = [(r["spread"], r["predicted_speedup"]) for r in rs if r.get("predicted_speedup") is not None]
         if pred:
-            ax.plot(*zip(*pred), ls="--", marker="x", color=color, alpha=0.7, label=f"{obj or '?'} {sched} (model)")
+            ax.plot(*zip(*pred), ls="--", marker="x", color=color, alpha=0.7, label=f"{name} (model)")
     xs = [r["spread"] for r in rows]
     for obj in dict.fromkeys(r["objective"] for r in rows if r["objective"] in PAPER_SPREAD):
         lo, hi = PAPER_SPREAD[obj]

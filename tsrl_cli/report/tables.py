@@ -16,7 +16,8 @@ import pandas as pd
 from tsrl_cli.errors import UsageError
 from tsrl_cli.predict import load_trace, predict_rounds
 from tsrl_cli.report.aggregate import CELL, LAST_ROUND, STATS, WARMUP_ROUNDS, aggregate, over_seeds, per_seed
-from tsrl_cli.report.load import RUN, Results, Run, config_value, flat_config, numeric, read_jsonl
+from tsrl_cli.report.load import RUN, Results, Run, config_value, flat_config, numeric
+from tsrl_cli.rundir import EVENTS, SKIP
 
 SCHEDULE_ORDER = {"sync": 0, "stream": 1, "async": 2}
 ROLLING_ROUNDS = 5  # the reward used for targets and budgets: mean of the last 5 rounds' reward
@@ -138,8 +139,25 @@ def _of_sync(t: pd.DataFrame, col: str) -> pd.Series:
 # ---------------------------------------------------------------------------- the tables
 
 
+# how an experiment's sync computed its lazy gradient (config `sync_batching`), as the tables name it
+SYNC_BASELINES = {"padded": "padded lazy batch", "per_item": "per-item (stream's own work)"}
+
+
+def sync_baseline(runs: list[Run]) -> dict[str, str]:
+    """Per experiment, what its speedups are over: the sync runs' `sync_batching` (TrainConfig's default,
+    padded, where a config does not name it); 'mixed' when its sync runs disagree, '–' without sync runs."""
+    kinds: dict[str, set] = {}
+    for r in runs:
+        kinds.setdefault(r.experiment, set())
+        if r.schedule == "sync":
+            kinds[r.experiment].add(config_value(r.config, "sync_batching") or "padded")
+    return {e: "–" if not k else SYNC_BASELINES.get(next(iter(k)), next(iter(k))) if len(k) == 1 else "mixed"
+            for e, k in kinds.items()}
+
+
 def step_time_table(res: Results, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
-    """Step time, speedup over sync (per seed: mean sync step / mean step, then over seeds), balance."""
+    """Step time, speedup over sync (per seed: mean sync step / mean step, then over seeds), the sync it is
+    over (padded lazy batch or per-item), learner idle beside that sync's, balance."""
     runs, rounds = run_frame(res), res.rounds
     st = aggregate(rounds, "step_time_s", warmup, last_round)
     seeds = per_seed(rounds, "step_time_s", warmup, last_round)
@@ -152,14 +170,34 @@ def step_time_table(res: Results, warmup: int = WARMUP_ROUNDS, last_round: int =
               _stats(st, "step_time_s"), _stats(speed, "speedup"), busy, mk)
     t["rounds_per_seed"] = t["rounds_per_seed"].fillna(0).astype(int)
     t["balance_busy_over_makespan"] = _ratio(t["learner_busy_s_mean"], t["rollout_makespan_s_mean"])
+    t["sync_baseline"] = t["experiment"].map(sync_baseline(res.runs))
+    idle = aggregate(rounds, "learner_idle_frac", warmup, last_round)[CELL + ["learner_idle_frac_mean"]]
+    t = _join(t, idle)
+    t["sync_learner_idle_frac_mean"] = _of_sync(t, "learner_idle_frac_mean")
     md = [("experiment · schedule", _key), ("seeds", lambda r: r["seeds"]),
           ("rounds/seed", lambda r: str(r["rounds_per_seed"])),
           ("step time s", lambda r: pm(r, "step_time_s")),
           ("speedup vs sync", lambda r: pm(r, "speedup")),
+          ("sync baseline", lambda r: r["sync_baseline"]),
+          ("learner idle % (its sync's)", _idle_beside_sync),
           ("learner busy / rollout makespan", lambda r: fmt(r["balance_busy_over_makespan"]))]
     return Table("step_time", "Step time and speedup", t, md,
                  note=f"Rounds {warmup + 1}-{last_round} averaged per seed, then mean ± std [95 % t-interval] "
-                      "over seeds. Speedup per seed = mean sync step time / mean step time, same seed.")
+                      "over seeds. Speedup per seed = mean sync step time / mean step time, same seed. The sync "
+                      "baseline is how that experiment's sync computed its gradient (config `sync_batching`): the "
+                      "padded lazy batch computes the padding stream never computes, so a speedup over it counts "
+                      "the padding saved as well as the waiting removed; over the per-item sync (the same learner "
+                      "work as stream) it is the overlap alone. Learner idle is 1 - learner busy / step time, "
+                      "mean over rounds and seeds, with the same experiment's sync in parentheses.")
+
+
+def _idle_beside_sync(r: dict) -> str:
+    mine, sync = r["learner_idle_frac_mean"], r["sync_learner_idle_frac_mean"]
+    if mine is None:
+        return "–"
+    if r["schedule"] == "sync" or sync is None:
+        return fmt(100 * mine)
+    return f"{fmt(100 * mine)} ({fmt(100 * sync)})"
 
 
 def idle_table(res: Results, warmup: int = WARMUP_ROUNDS, last_round: int = LAST_ROUND) -> Table:
@@ -462,13 +500,14 @@ def spread_rows(runs: list[Run], steps: Table, pred: pd.DataFrame, key: str) -> 
     model = stream.groupby("experiment").agg(sync_s=("sync_s", "mean"), stream_s=("stream_s", "mean"),
                                              ceiling_mean=("ceiling", "mean"))
     model["predicted_speedup"] = model["sync_s"] / model["stream_s"]
-    rows = s[["experiment", "objective", "schedule"]].assign(spread_key=key, spread=s["experiment"].map(usable),
-                                                             n_seeds=s["n_seeds"])
+    rows = s[["experiment", "objective", "schedule", "sync_baseline"]].assign(
+        spread_key=key, spread=s["experiment"].map(usable), n_seeds=s["n_seeds"])
     rows = pd.concat([rows, s[[f"speedup_{k}" for k in STATS]]], axis=1)
     on_stream = rows["schedule"] == "stream"  # the model predicts stream against sync only
     for c in ("predicted_speedup", "ceiling_mean"):
         rows[c] = rows["experiment"].map(model[c]).where(on_stream)
-    rows = rows.assign(_obj=rows["objective"].fillna("")).sort_values(["_obj", "schedule", "spread"], kind="stable")
+    rows = rows.assign(_obj=rows["objective"].fillna("")).sort_values(["_obj", "schedule", "sync_baseline", "spread"],
+                                                                      kind="stable")
     rows = rows.drop(columns="_obj").reset_index(drop=True)
     if rows.empty:
         return rows, f"no experiment with a `{key}` value has sync runs of the same seeds to measure a speedup against"
@@ -531,7 +570,7 @@ def gantt_rows(runs: list[Run], warmup: int = WARMUP_ROUNDS) -> tuple[pd.DataFra
         sync = {r.seed: r for r in runs if (r.experiment, r.schedule) == (exp, "sync") and r.events_path.is_file()}
         stream = {r.seed: r for r in runs if (r.experiment, r.schedule) == (exp, "stream") and r.events_path.is_file()}
         for seed in sorted(set(sync) & set(stream)):
-            events = {s: read_jsonl(run.events_path)[0] for s, run in (("sync", sync[seed]), ("stream", stream[seed]))}
+            events = {s: run.dir.rows(EVENTS, SKIP) for s, run in (("sync", sync[seed]), ("stream", stream[seed]))}
             common = set.intersection(*({int(e["round"]) for e in ev if e.get("event") == "item"}
                                         for ev in events.values()))
             if not common:

@@ -10,6 +10,7 @@
   weightbus.py        new weights from the learner to every engine over torch.distributed (buckets)
   teacher_worker.py   OPD: scores each model turn the moment it closes
   learner_worker.py   model + optimizer; one step per round; offers weights to the bus; checkpoints
+  masters.py          float32 master weights of a bf16 model (optim.master_dtype), one process or a group
   runlog.py           the run directory (docs/run-directory.md)
   train.py            the orchestrator: `tsrl train` as a library function
   bench.py            `tsrl bench speedup`

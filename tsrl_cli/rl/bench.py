@@ -18,8 +18,8 @@ from pathlib import Path
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.errors import UsageError
 from tsrl_cli.predict import load_trace, predict_trace
-from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.train import train
+from tsrl_cli.rundir import METRICS, RunDir
 
 
 def _predicted(run_dir: Path, warmup: int) -> dict | None:
@@ -54,7 +54,7 @@ def compare_runs(out_root: str | Path, schedules: tuple[str, ...], repeats: int,
     out_root = Path(out_root)
     out: dict = {"warmup": warmup, "repeats": repeats, "out": str(out_root), "schedules": {}}
     for s in schedules:
-        rs = [r for rep in range(repeats) for r in RunLog(out_root / s / f"rep{rep}").rows("metrics.jsonl")[warmup:]]
+        rs = [r for rep in range(repeats) for r in RunDir(out_root / s / f"rep{rep}").rows(METRICS)[warmup:]]
         out["schedules"][s] = {
             "rounds_measured": len(rs),
             "step_time_median_s": statistics.median(r["step_time_s"] for r in rs),

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tsrl_cli.policy import decoder_layers  # the FSDP units: each decoder layer, then the root
 
 Fold = tuple | None  # ("member", group_id, reward) | ("unit", key) | ("round", scale) | None (nothing)
 
@@ -46,14 +48,6 @@ def torchrun_env() -> tuple[int, int] | None:
     if "TORCHELASTIC_RUN_ID" in os.environ or ("MASTER_ADDR" in os.environ and "RANK" in os.environ):
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The model's transformer blocks (Qwen3, Llama, ... and their PEFT wrappers): the FSDP units."""
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
-            return mod
-    raise ValueError(f"{type(model).__name__}: no `layers` ModuleList to shard by block")
 
 
 @dataclass
@@ -85,17 +79,27 @@ class LearnerGroup:
             dist.destroy_process_group()
 
     # ---- sharding --------------------------------------------------------------------------------
-    def shard(self, model, grads: ShardedGrads | None = None, load_one_at_a_time: bool = False):
+    def shard(self, model, grads: ShardedGrads | None = None, load_one_at_a_time: bool = False,
+              compute_dtype: torch.dtype | None = None):
         """fully_shard every decoder layer, then the root, each with the folding all-to-all (when `grads`).
 
         Sum reduction, no division: FSDP's default averages over ranks, streaming sums exact partial sums.
+        compute_dtype (master weights, rl/masters.py): the sharded parameters are the float32 masters, and
+        FSDP2's MixedPrecisionPolicy all-gathers each unit in compute_dtype (bf16) for the forward and
+        backward; gradients reach the reduce-scatter in the masters' dtype (FSDP copies the bf16 gradients
+        in, exactly), and the all-to-all carries them as compute_dtype, losslessly, so a pass moves the bytes
+        it moves without masters and the round's gradient reaches the sharded p.grad unrounded.
         """
         mesh = init_device_mesh(self.device.split(":")[0], (self.world,))
         units = [*decoder_layers(model), model]
+        mp = {}
+        if compute_dtype is not None:
+            masters = next(p.dtype for p in model.parameters() if p.requires_grad)
+            mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=masters)}
         for u in units:
-            fully_shard(u, mesh=mesh)
+            fully_shard(u, mesh=mesh, **mp)
         if grads is not None:
-            grads.attach(units)
+            grads.attach(units, wire_dtype=compute_dtype)
         return model
 
     def broadcast(self, obj):
@@ -133,8 +137,9 @@ class LearnerGroup:
                         for k, v in s.items()}
         return {"state": state, "param_groups": sd["param_groups"]} if self.leader else None
 
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict) -> None:
-        """Load a single-process optimizer.pt (every rank reads the same file) into the sharded optimizer."""
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict, masters: dict | None = None) -> None:
+        """Load a single-process optimizer.pt (every rank reads the same file) into the sharded optimizer;
+        `masters` ({index: full tensor}, optimizer.pt's master_weights): the optimizer's parameters' values."""
         params = [p for g in opt.param_groups for p in g["params"]]
         state = {}
         for i, s in sd["state"].items():
@@ -143,6 +148,10 @@ class LearnerGroup:
                             if torch.is_tensor(v) and v.shape == p.shape and v.dim() > 0 else v)
                         for k, v in s.items()}
         opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        with torch.no_grad():
+            for i, t in (masters or {}).items():
+                p = params[int(i)]
+                p.copy_(distribute_tensor(t.to(p.device, p.dtype), p.device_mesh, p.placements))
 
 
 def _is_dtensor(t) -> bool:
@@ -185,9 +194,11 @@ class ShardedGrads:
         self._fold: Callable[[Fold, list], None] | None = None
         self._emit: list[torch.Tensor] | None = None
         self.passes = 0
+        self.wire_dtype: torch.dtype | None = None  # what the all-to-all carries (None: the reduce-scatter input's)
 
-    def attach(self, units) -> None:
+    def attach(self, units, wire_dtype: torch.dtype | None = None) -> None:
         n = self.group.world
+        self.wire_dtype = wire_dtype
         self.units = list(units)
         seen: set[int] = set()  # the root comes last in `units`: its own parameters are those no layer holds
         owned: list[list[torch.nn.Parameter]] = []
@@ -214,8 +225,9 @@ class ShardedGrads:
         if self._emit is not None:  # round close: hand R to FSDP, which maps it onto p.grad
             output.copy_(self._emit[index])
             return
-        recv = torch.empty_like(input_)
-        dist.all_to_all_single(recv, input_, group=pg)
+        wire = input_ if self.wire_dtype is None else input_.to(self.wire_dtype)  # bf16 values: exact both ways
+        recv = torch.empty_like(wire)
+        dist.all_to_all_single(recv, wire, group=pg)
         pieces = recv.view(n, -1)
         grads: list[torch.Tensor | None] = [None] * len(self.templates)
         for j, fold in enumerate(self._folds):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsrl_cli.config import OBJECTIVES, LossConfig
+from tsrl_cli.config import BUFFER_DTYPES, OBJECTIVES, LossConfig
 from tsrl_cli.core.accumulator import RoundGradAccumulator
 from tsrl_cli.core.advantages import ADVANTAGES, GroupStats, group_stats
 from tsrl_cli.core.losses import (
@@ -52,7 +52,6 @@ from tsrl_cli.rl.hostfold import HostFold
 from tsrl_cli.rollouts import Rollout
 
 BUFFER_DEVICES = ("device", "cpu")
-BUFFER_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -159,12 +158,14 @@ def grpo_advantages(rollouts: Sequence[Rollout], obj: Objective) -> dict[tuple[s
 
 
 def lazy_loss(model, rollouts: Sequence[Rollout], obj: Objective,
-              token_weights: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              token_weights: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              chunk_tokens: int | None = None) -> torch.Tensor:
     """The lazy synchronous loss: all trajectories in one padded batch, verl's agg_loss, one scalar.
 
     The reference the engine is tested against (it is written the way verl writes it, not through
     the factored weights the engine uses). token_weights(logp_B_T) -> (B, T) detached weights on each
     token's main term: truncated importance sampling (schedules.tis). KL and entropy are not reweighted.
+    chunk_tokens: the LM head and log-softmax that many positions at a time (losses.chunked_token_logprobs: same values).
     """
     check_inputs(rollouts, obj)
     device = next(model.parameters()).device
@@ -172,7 +173,7 @@ def lazy_loss(model, rollouts: Sequence[Rollout], obj: Objective,
     ids = pad_rows([r.input_ids for r in rollouts], T, torch.long, device)
     attn = pad_rows([[1] * len(r.input_ids) for r in rollouts], T, torch.long, device)
     mask = pad_rows([r.loss_mask for r in rollouts], T, torch.long, device)
-    logp, ent = forward_logprobs(model, ids, attn, entropy=obj.loss.entropy_coef != 0)  # (B, T)
+    logp, ent = forward_logprobs(model, ids, attn, entropy=obj.loss.entropy_coef != 0, chunk_tokens=chunk_tokens)
 
     def aligned(name):  # (B, T) tensor of an optional per-token field, in logp's dtype
         return pad_rows([getattr(r, name) for r in rollouts], T, logp.dtype, device)
@@ -262,8 +263,9 @@ class StreamLearner:
                  grads=None, rank: int = 0, world: int = 1, max_tokens: int | None = None,
                  max_items: int | None = None, ref_model=None,
                  token_weights: Callable[[list[Rollout], torch.Tensor], torch.Tensor] | None = None,
-                 threaded_host_fold: bool | None = None):
+                 threaded_host_fold: bool | None = None, chunk_tokens: int | None = None):
         self.model, self.obj = model, obj
+        self.chunk_tokens = chunk_tokens  # learner.logits_chunk_tokens: the LM head N positions at a time
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = grads if grads is not None else LocalGrads(self.params)
         self.rank, self.world = rank, world
@@ -508,7 +510,8 @@ class StreamLearner:
                 s, e = it.span
                 m[s:e] = h.rollout.loss_mask[s:e]
             mask_rows.append(m)
-        logp, ent = forward_logprobs(self.model, ids, attn, entropy=self.obj.loss.entropy_coef != 0)  # (B, T)
+        logp, ent = forward_logprobs(self.model, ids, attn, entropy=self.obj.loss.entropy_coef != 0,
+                                     chunk_tokens=self.chunk_tokens)  # (B, T)
         mask = pad_rows(mask_rows, T, logp.dtype, device)
 
         def aligned(name):
@@ -518,7 +521,7 @@ class StreamLearner:
         if self.obj.loss.kl_coef:
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref = forward_logprobs(self.ref_model, ids, attn)[0].to(logp.dtype)
+                    ref = forward_logprobs(self.ref_model, ids, attn, chunk_tokens=self.chunk_tokens)[0].to(logp.dtype)
             else:
                 ref = aligned("ref_logprobs")
         reg = _regularizer(self.obj, logp, ref, ent)

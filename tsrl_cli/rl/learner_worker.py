@@ -27,7 +27,7 @@ import torch
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import learner_devices
-from tsrl_cli.policy import load_policy, param_bytes, save_policy, trainable_state
+from tsrl_cli.policy import checkpoint_activations, load_policy, param_bytes, save_policy, trainable_state
 from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
@@ -37,10 +37,12 @@ from tsrl_cli.processes import (
 )
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner
+from tsrl_cli.rl.masters import MASTER_KEY, MasterWeights, master_dtype, master_state, upcast_for_group
 from tsrl_cli.rl.schedules import SCHEDULES, RoundWork
 from tsrl_cli.rl.types import RoundPlan
 from tsrl_cli.rl.weightbus import Publisher, join_bus
 from tsrl_cli.rollouts import Rollout
+from tsrl_cli.rundir import CHECKPOINT_STATE, RunDir
 
 now = time.monotonic
 
@@ -64,30 +66,50 @@ class Learner:
         self.grads = self.host = None
         world, rank = self.world, self.rank
         load = {"dtype": cfg.model.dtype, "lora": cfg.lora, "seed": cfg.seed, "base": policy_dir}
+        self.master_dtype = master_dtype(cfg)  # None: the optimizer steps the parameters in their own dtype
         if self.group is None:
             self.model, self.tok = load_policy(init_dir, device=self.device, **load)
+            if cfg.learner.activation_checkpointing:
+                checkpoint_activations(self.model)
         else:  # one rank at a time holds the whole model on the host, then keeps only its shard
             for r in range(world):
                 if r == rank:
                     self.model, self.tok = load_policy(init_dir, device="cpu", **load)
                     if self.group.leader:
                         self.host = copy.deepcopy(self.model)  # publishing and checkpoints: the full policy
+                    if cfg.learner.activation_checkpointing:
+                        checkpoint_activations(self.model)  # inside each FSDP unit's hooks (policy.py)
+                    compute = None  # with masters: the shards are float32, FSDP computes in the model's dtype
+                    if self.master_dtype is not None:
+                        compute = upcast_for_group([p for p in self.model.parameters() if p.requires_grad],
+                                                   self.master_dtype)
                     self.grads = ShardedGrads(self.group, self.model)
-                    self.group.shard(self.model, self.grads)
+                    self.group.shard(self.model, self.grads, compute_dtype=compute)
                 self.group.barrier()
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        # one process with masters: the optimizer steps float32 copies; a group's shards are the masters
+        self.masters = (MasterWeights(self.params, self.master_dtype)
+                        if self.master_dtype is not None and self.group is None else None)
+        self.opt_params = self.masters.tensors if self.masters is not None else self.params
         sizing = self.host if self.host is not None else self.model
         self.model_bytes = param_bytes(sizing) if self.group is None or self.group.leader else None
         self.trainable_bytes = param_bytes(sizing, trainable_only=True) if self.model_bytes is not None else None
         self.obj = Objective(cfg.objective, cfg.loss)
-        self.opt = make_optimizer(self.params, cfg)
+        self.opt = make_optimizer(self.opt_params, cfg)
         opt_state = Path(init_dir) / "optimizer.pt"
         if opt_state.is_file():  # resuming: the optimizer continues exactly where it stopped (on any N)
             sd = torch.load(opt_state, weights_only=True)
+            masters = sd.pop(MASTER_KEY, None)  # the masters it stopped with (their cast is the checkpoint)
             if self.group is None:
                 self.opt.load_state_dict(sd)
+                if masters is not None:
+                    with torch.no_grad():
+                        for i, t in masters.items():
+                            self.opt_params[int(i)].copy_(t)
+                    if self.masters is not None:
+                        self.masters.copy_to_params()
             else:
-                self.group.load_optimizer_state(self.opt, sd)
+                self.group.load_optimizer_state(self.opt, sd, masters)
         self.ref = None
         if cfg.loss.kl_coef:
             self.ref = load_policy(policy_dir, dtype=cfg.model.dtype, device=self.device if self.group is None else "cpu",
@@ -115,7 +137,7 @@ class Learner:
         """The round's learner engine on this rank (schedules choose when it runs)."""
         lc = self.cfg.learner
         opts = {"max_tokens": lc.max_microbatch_tokens, "max_items": lc.max_microbatch_items if self.microbatch else 1,
-                    "ref_model": self.ref}
+                    "ref_model": self.ref, "chunk_tokens": lc.logits_chunk_tokens}
         opts.update(kw)
         if self.group is not None:
             opts.update(grads=self.grads, rank=self.rank, world=self.world)
@@ -159,18 +181,20 @@ class Learner:
     # ---- step, weights, checkpoints -----------------------------------------------------------
     def apply_step(self, grads) -> float:
         """One optimizer step. grads None: p.grad is already set (the sharded gradient of a group)."""
-        if grads is not None:
-            for p, g in zip(self.params, grads, strict=True):
+        if grads is not None:  # with masters: the float32 sums reach the float32 masters unrounded
+            for p, g in zip(self.opt_params, grads, strict=True):
                 p.grad = None if g is None else g.to(p.dtype)
-        present = [p.grad for p in self.params if p.grad is not None]
+        present = [p.grad for p in self.opt_params if p.grad is not None]
         if self.cfg.optim.grad_clip > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.opt_params, self.cfg.optim.grad_clip)
         else:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))
         if hasattr(norm, "full_tensor"):  # a group: the norm over every rank's shard
             norm = norm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.masters is not None:
+            self.masters.copy_to_params()  # the forward, the engines and checkpoints: the masters' cast
         return float(norm)
 
     def trained_state(self) -> dict[str, torch.Tensor] | None:
@@ -179,10 +203,11 @@ class Learner:
             return {n: t.cpu() for n, t in trainable_state(self.model).items()}
         full = self.group.full_trainable_state(self.model)
         if full is not None:
+            host = dict(self.host.named_parameters())
             with torch.no_grad():
-                for n, p in self.host.named_parameters():
-                    if n in full:
-                        p.copy_(full[n])
+                for n, t in full.items():
+                    host[n].copy_(t)
+            full = {n: t.to(host[n].dtype) for n, t in full.items()}  # float32 masters: their cast, as the host's
         return full
 
     def publish(self) -> dict:
@@ -208,19 +233,25 @@ class Learner:
         optimizer.pt is the single-process format on any number of ranks, so a run resumes on any N."""
         if self.group is None:
             opt_state, model = self.opt.state_dict(), self.model
+            if self.master_dtype is not None:
+                opt_state[MASTER_KEY] = master_state(self.opt_params)
         else:
             opt_state, model = self.group.optimizer_state(self.opt), self.host
+            if self.master_dtype is not None:  # the shards are the masters: gathered (a collective)
+                full = self.group.full_trainable_state(self.model)
+                if full is not None:
+                    opt_state[MASTER_KEY] = dict(enumerate(full.values()))
             if not self.group.leader:
                 return None
 
         def extra(d: Path) -> None:
             torch.save(opt_state, d / "optimizer.pt")
-            (d / "state.json").write_text(json.dumps({"round": round_, "policy_version": self.version,
-                                                      "schedule": self.cfg.schedule, "seed": self.cfg.seed,
-                                                      "learner_ranks": self.world}))
+            (d / CHECKPOINT_STATE).write_text(json.dumps({"round": round_, "policy_version": self.version,
+                                                           "schedule": self.cfg.schedule, "seed": self.cfg.seed,
+                                                           "learner_ranks": self.world}))
 
         try:
-            return str(save_policy(model, self.tok, self.run_dir / "checkpoints" / f"round-{round_}", extra=extra))
+            return str(save_policy(model, self.tok, RunDir(self.run_dir).checkpoint_path(round_), extra=extra))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise

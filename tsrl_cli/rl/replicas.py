@@ -31,15 +31,16 @@ from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import rollout_replicas
-from tsrl_cli.engines.base import TurnBatcher, TurnRequest
-from tsrl_cli.engines.load import open_engine
-from tsrl_cli.engines.openai import OpenAIEngine
+from tsrl_cli.engines.base import TurnBatcher, TurnRequest, apply_sync
+from tsrl_cli.engines.load import open_client, open_engine
 from tsrl_cli.processes import init_worker, peak_device_bytes, peak_rss_bytes, reset_peak_device, reset_peak_rss
 from tsrl_cli.rl.weightbus import WeightBus, bus_backend, bus_size, join_bus
 
 
-def load_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, devices: tuple[str, ...], start_version: int):
-    """(engine, the device its tensors live on) for one replica, holding the weights of `init_dir`.
+def open_replica_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, devices: tuple[str, ...],
+                        start_version: int):
+    """(engine, the device its tensors live on) for one replica, holding the weights of `init_dir`
+    (engines/load.py open_engine with the run's engine settings).
 
     vLLM's sampling uses per-request seeds (request_seed per turn, as the hf engine), so a round is
     reproducible for fixed weights, but its kernels are not the learner's: behavior_logprobs differ
@@ -66,10 +67,9 @@ class EngineHost:
     def sync(self) -> dict | None:
         """Take one sync from the bus into the engine, bucket by bucket; None when the learner had nothing newer."""
         t0 = time.monotonic()
-        info = self.bus.receive(lambda bucket: self.engine.update_weights(bucket, self.engine.version))
+        info = apply_sync(self.engine, self.bus.receive)
         if info["version"] is None:
             return None
-        self.engine.version = info["version"]
         return {**info, "start": t0, "end": time.monotonic()}
 
 
@@ -99,7 +99,7 @@ class LocalPool(_Pool):
 
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr):
         devices = rollout_replicas(cfg)[0]
-        self.engine, self.device = load_engine(cfg, init_dir, policy_dir, devices, start_version)
+        self.engine, self.device = open_replica_engine(cfg, init_dir, policy_dir, devices, start_version)
         # no bus address: an engine that never syncs (tests replaying rounds in one process)
         self.host = EngineHost(self.engine, join_bus(cfg, bus_addr, 1, self.device) if bus_addr else None)
         self.batcher = TurnBatcher(self.engine, max_batch=cfg.rollout.max_batch)
@@ -127,7 +127,7 @@ def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version
     ("sync",) with ("synced", index, info), ("stats",) with ("stats", index, figures); None ends it."""
     init_worker()
     devices = rollout_replicas(cfg)[index]
-    engine, device = load_engine(cfg, init_dir, policy_dir, devices, start_version)
+    engine, device = open_replica_engine(cfg, init_dir, policy_dir, devices, start_version)
     host = EngineHost(engine, join_bus(cfg, bus_addr, 1 + index, device))
     report_q.put(("ready", f"engine-{index}", None))
 
@@ -241,7 +241,7 @@ class ServerPool(_Pool):
 
     def __init__(self, cfg: TrainConfig, start_version: int, bus_addr, log):
         self.cfg, self.bus_addr = cfg, bus_addr
-        self.client = OpenAIEngine(list(cfg.rollout.servers), timeout_s=cfg.rollout.server_timeout_s, log=log)
+        self.client = open_client(cfg.rollout.servers, timeout_s=cfg.rollout.server_timeout_s, log=log)
         self.client.join_bus(bus_addr[0], bus_addr[1], 1, bus_size(cfg), bus_backend(cfg))
         self.generate = self.client.generate
         self.version = start_version

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import statistics
 import time
 from collections import Counter
+from pathlib import Path
 
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
@@ -26,7 +28,7 @@ from tsrl_cli.agent.oracle import OracleSession
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.engines.base import SamplingParams
-from tsrl_cli.errors import OperationFailed
+from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.policy import load_tokenizer
 from tsrl_cli.processes import (
     init_worker,
@@ -39,6 +41,25 @@ from tsrl_cli.rl.replicas import make_pool
 from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
 from tsrl_cli.rollouts import Rollout
+
+# Tests that kill or stop a run mid-round (tests/rl/test_faults.py) set TSRL_HOLD_ROLLOUT_AT_ROUND=K:PATH: the
+# rollout process, once it holds round K's weights and before its first trajectory, creates PATH and waits
+# while PATH exists. The signal then lands mid-round by construction, not by a poll that a loaded machine
+# can make late (the run finishing first). Unset in every other use.
+HOLD_ENV = "TSRL_HOLD_ROLLOUT_AT_ROUND"
+
+
+def hold_if_asked(round_: int) -> None:
+    spec = os.environ.get(HOLD_ENV)
+    if not spec:
+        return
+    k, _, path = spec.partition(":")
+    if not (k.isdigit() and path):
+        raise UsageError(f"{HOLD_ENV}={spec!r}: expected ROUND:PATH, e.g. 2:/tmp/held")
+    if int(k) == round_:
+        Path(path).touch()
+        while os.path.exists(path):
+            time.sleep(0.05)
 
 
 class EnvironmentFailed(OperationFailed):
@@ -179,6 +200,7 @@ class RolloutWorker:
     def run(self, plans: list[RoundPlan]) -> None:
         for plan in plans:
             self.take_weights(need=plan.round - 1 - self.max_staleness)
+            hold_if_asked(plan.round)
             reset_peak_rss()
             reset_peak_device(self.device)
             report = asyncio.run(self.generate_round(plan))

@@ -19,7 +19,7 @@ from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rl.toy import ECHO, EchoEnv, echo_tasks
 from tsrl_cli.rl.types import GroupSpec, RoundPlan
-from tsrl_cli.sandbox.docker import docker_unavailable_reason
+from tsrl_cli.sandbox.docker_client import docker_unavailable_reason
 
 
 def load_task_table(datasets: tuple[str, ...], limit: int | None = None) -> dict[str, tuple[Path | None, object]]:

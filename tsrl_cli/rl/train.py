@@ -28,11 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.agent.renderer import ChatMLRenderer
-from tsrl_cli.config import TrainConfig, config_diff, dump_config, load_config
+from tsrl_cli.config import TrainConfig, config_diff, dump_config
 from tsrl_cli.devices import check_available, device_of, learner_devices, rollout_replicas
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.embedded import evaluate_embedded
-from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
+from tsrl_cli.files import write_json_atomic
 from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
 from tsrl_cli.predict import streaming_of
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
@@ -47,8 +47,8 @@ from tsrl_cli.rl.teacher_worker import teacher_main
 from tsrl_cli.rl.toy import TOY_PREFIX, ensure_toy_policy
 from tsrl_cli.rl.trackers import Trackers, open_trackers, require_trackers
 from tsrl_cli.rl.weightbus import serve_store
+from tsrl_cli.rundir import DONE, EVAL_ROUND0, EVENTS, LOGS, METRICS, PIDS, ROLLOUTS
 
-PIDS_FILE = "processes.json"  # {main, rollout, learner[, teacher]: pid} while the workers run
 PRELOAD = ["torch", "transformers", "tsrl_cli.rl.rollout_worker", "tsrl_cli.rl.learner_worker", "tsrl_cli.rl.replicas",
            "tsrl_cli.rl.teacher_worker", "transformers.models.qwen3.modeling_qwen3"]
 EMBEDDED_POLICY = "data/embedded_policy"
@@ -111,13 +111,13 @@ def save_at(cfg: TrainConfig, round_: int) -> bool:
 def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -> tuple[int, str, dict]:
     """(rounds already done, weights to start from, wall/core offsets); writes config.yaml."""
     if not resume:
-        if run.started() and (run.rows("metrics.jsonl") or run.checkpoints()):
+        if run.started() and (run.rows(METRICS) or run.checkpoints()):
             raise UsageError(f"{run.root} already holds a run: pass --resume to continue it, or --out for a new one")
-        for name in ("metrics.jsonl", "events.jsonl", "rollouts.jsonl", "DONE"):  # a start that never finished a round
+        for name in (*LOGS, DONE):  # a start that never finished a round
             (run.root / name).unlink(missing_ok=True)
         run.write_config(dump_config(cfg))
         return 0, policy_dir, {"wall_s": 0.0, "core_s": 0.0}
-    stored = load_config(run.config_path)
+    stored = run.config()
     # placement and micro-batching change where and when the gradient is computed, not what it is:
     # a run resumes on another number of learner ranks or devices
     diff = config_diff(stored, cfg, ignore=("rounds", "run", "devices", "learner"))
@@ -132,7 +132,7 @@ def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -
     run.keep_rounds_up_to(k)
     run.remove_done()
     run.write_config(dump_config(cfg))
-    last = run.rows("metrics.jsonl")
+    last = run.rows(METRICS)
     offsets = {"wall_s": last[-1]["wall_s"] if last else 0.0, "core_s": last[-1]["core_s"] if last else 0.0}
     return k, str(path), offsets
 
@@ -199,12 +199,12 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
     The trackers get each evaluation at its round (round-0 at step 0).
     """
 
-    rows = run.rows("metrics.jsonl")
+    rows = run.rows(METRICS)
     by_round = {r["round"]: r for r in rows}
     for k, ckpt in run.checkpoints().items():
         if k % cfg.eval.every or (k in by_round and any(key.startswith("eval/") for key in by_round[k])):
             continue
-        if k == 0 and (run.root / "eval_round0.json").is_file():
+        if k == 0 and (run.root / EVAL_ROUND0).is_file():
             continue
         if k != 0 and k not in by_round:
             continue
@@ -216,10 +216,10 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
         if trackers is not None:
             trackers.log(metrics, step=k)
         if k == 0:
-            write_json_atomic(run.root / "eval_round0.json", metrics)
+            write_json_atomic(run.root / EVAL_ROUND0, metrics)
         else:
             by_round[k].update(metrics)
-            write_jsonl_atomic(run.root / "metrics.jsonl", rows)
+            run.rewrite(METRICS, rows)
 
 
 class Workers:
@@ -267,7 +267,7 @@ class Workers:
         self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, os.getpid(), fn, *args),
                                         name=f"tsrl-{name}", daemon=daemonic or not name.startswith("engine-"))
                       for name, (fn, args) in specs.items()}
-        self.pids_file = Path(run_dir) / PIDS_FILE
+        self.pids_file = Path(run_dir) / PIDS
 
     def __enter__(self):
         for p in self.procs.values():
@@ -374,11 +374,11 @@ class Orchestrator:
             wall = sync["end"] - self.t_first
             row["wall_s"] = self.offsets["wall_s"] + wall
             row["core_s"] = self.offsets["core_s"] + wall * len(self.w.procs)
-            self.run_log.append("metrics.jsonl", [row])
+            self.run_log.append(METRICS, [row])
             self.trackers.log(row, step=k)  # the same row, numeric keys only (run.trackers)
-            self.run_log.append("events.jsonl", events)
+            self.run_log.append(EVENTS, events)
             if self.cfg.run.save_rollouts:
-                self.run_log.append("rollouts.jsonl", p["rollout"].get("rollouts", []))
+                self.run_log.append(ROLLOUTS, p["rollout"].get("rollouts", []))
             self.progress({"event": "round", "row": row})
             self.round_start = sync["end"]
             self.next_round += 1
@@ -475,7 +475,7 @@ def _turn_timing(it: dict, rel) -> dict:
 
 
 def summarize(cfg: TrainConfig, run: RunLog) -> dict:
-    rows = run.rows("metrics.jsonl")
+    rows = run.rows(METRICS)
     warm = rows[1:] if len(rows) > 1 else rows  # round 1 pays one-off costs (first batches, allocator)
     ckpts = run.checkpoints()
     return {

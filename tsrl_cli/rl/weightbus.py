@@ -4,7 +4,8 @@ Members: rank 0 is the learner (its leader on a group), ranks 1..N are the engin
 replica processes, the rollout process's own engine, or remote `tsrl serve` servers). They meet
 through a TCPStore that the run's main process serves (host:port travel as text, so a server on
 another node can join). The group is a stateless process group of its own (gloo, or NCCL when every
-member holds CUDA tensors): it never touches the learner group's default process group.
+member holds CUDA tensors on a GPU of its own: NCCL refuses two ranks on one device, so members that
+share a GPU meet over gloo through host copies): it never touches the learner group's default process group.
 
 One sync = a header broadcast (version, publish time, the manifest of names/dtypes/shapes) and then
 the tensors in buckets of at most `bucket_bytes`, each one flat tensor of one dtype. A receiver
@@ -178,14 +179,47 @@ class Publisher:
 
 
 # ---- the bus of one run (its config decides the members and the backend) -------------------------
+def bus_members(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(name, device) of each local member: the learner (its rank 0), then each engine replica, whose bus
+    tensors live on its first device (a vLLM replica of several devices receives on the first)."""
+    replicas = rollout_replicas(cfg)
+    engines = [("engine", replicas[0][0])] if len(replicas) == 1 else [(f"engine-{i}", r[0]) for i, r in enumerate(replicas)]
+    return [("learner", learner_devices(cfg)[0]), *engines]
+
+
+def nccl_problem(members: list[tuple[str, str]]) -> str | None:
+    """Why these (name, device) members cannot form one NCCL group, or None when they can.
+
+    NCCL takes one rank per GPU: two ranks of one communicator on one device are refused (NCCL's
+    "duplicate GPU" error). Processes that share a GPU therefore meet over gloo, through host copies.
+    """
+    cpu = [f"{n} ({d})" for n, d in members if not d.startswith("cuda")]
+    if cpu:
+        return f"NCCL needs every member on a CUDA device; {', '.join(cpu)} is not"
+    by_device: dict[str, list[str]] = {}
+    for n, d in members:
+        by_device.setdefault(d, []).append(n)
+    shared = [f"{d} holds {' and '.join(ns)}" for d, ns in by_device.items() if len(ns) > 1]
+    if shared:
+        return f"{'; '.join(shared)}: NCCL joins at most one rank per GPU"
+    return None
+
+
+def choose_backend(members: list[tuple[str, str]], forced: str = "auto") -> str:
+    """The bus's backend for these local members: `forced` unless auto; auto = nccl when every member is on
+    its own CUDA device, else gloo (co-located members, or any member on the CPU)."""
+    if forced != "auto":
+        return forced
+    return "nccl" if nccl_problem(members) is None else "gloo"
+
+
 def bus_backend(cfg: TrainConfig) -> str:
-    """gloo, or nccl when the learner and every local engine hold CUDA tensors (weight_sync_backend auto)."""
+    """The run's bus backend (rollout.weight_sync_backend; auto: choose_backend over bus_members)."""
     if cfg.rollout.weight_sync_backend != "auto":
         return cfg.rollout.weight_sync_backend
     if cfg.rollout.engine == "openai":
         return "gloo"
-    devs = [d for r in rollout_replicas(cfg) for d in r] + [learner_devices(cfg)[0]]
-    return "nccl" if all(d.startswith("cuda") for d in devs) else "gloo"
+    return choose_backend(bus_members(cfg))
 
 
 def bus_size(cfg: TrainConfig) -> int:

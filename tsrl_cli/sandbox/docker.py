@@ -31,23 +31,9 @@ from collections.abc import Iterable
 
 from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox.base import ExecResult, Limits, Mount, Sandbox, check_mounts
+from tsrl_cli.sandbox.docker_client import docker_client, ensure_image
 
 WORKDIR = "/workdir"
-
-
-def docker_unavailable_reason() -> str | None:
-    """None when a Docker daemon answers a ping, else why not (one line)."""
-    try:
-        import docker
-    except ImportError:
-        return "the docker package is not installed (pip install 'tsrl[docker]')"
-    try:
-        client = docker.from_env(timeout=5)
-        client.ping()
-        client.close()
-    except Exception as e:  # noqa: BLE001  DockerException, connection or permission errors
-        return f"no Docker daemon reachable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return None
 
 
 class DockerSandbox(Sandbox):
@@ -57,19 +43,17 @@ class DockerSandbox(Sandbox):
                  mounts: Iterable[Mount] | None = None):
         self._closed = True
         self.mounts = self._check_mounts(mounts)
-        reason = docker_unavailable_reason()
-        if reason:
-            raise UsageError(f"docker executor: {reason}")
-        import docker
-
         self.limits = lim = limits or Limits()
         self.image = image
         self.workdir = WORKDIR  # inside the container
-        self._client = docker.from_env(timeout=24 * 3600)  # a silent command must not hit a read timeout
+        self._client = docker_client(24 * 3600, "the docker executor")  # a silent command must not hit a read timeout
         try:
-            self._client.images.get(image)
-        except docker.errors.ImageNotFound:
-            self._client.images.pull(image)
+            ensure_image(self._client, image)  # a failed pull: one line naming the image and the cause
+        except BaseException:
+            self._client.close()
+            raise
+        import docker
+
         self._container = self._client.containers.run(
             image, command=["sleep", "infinity"], detach=True, working_dir="/",
             network_mode="none",

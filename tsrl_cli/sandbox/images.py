@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.errors import OperationFailed, UsageError
-from tsrl_cli.sandbox.docker import docker_unavailable_reason
+from tsrl_cli.sandbox.docker_client import docker_client, image_exists
 
 BASE_SUITE = "bookworm"
 BASE_MIRROR = "http://deb.debian.org/debian"
@@ -56,28 +56,11 @@ _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
 _PULL_FAILED = re.compile(r"registry|no such host|pull access denied|manifest unknown|dial tcp|not found", re.IGNORECASE)
 
 
+BUILD_TIMEOUT_S = 24 * 3600  # a build step may print nothing for a long time
+
+
 class ImageBuildFailed(OperationFailed):
     """An image build ran and failed; the message names the image and its build log (exit 1)."""
-
-
-def docker_client(timeout_s: float = 24 * 3600):
-    """The Docker SDK's client, or UsageError naming why there is none (package or daemon)."""
-    reason = docker_unavailable_reason()
-    if reason:
-        raise UsageError(f"building images needs Docker: {reason}")
-    import docker
-
-    return docker.from_env(timeout=timeout_s)
-
-
-def image_exists(client, tag: str) -> bool:
-    import docker
-
-    try:
-        client.images.get(tag)
-        return True
-    except docker.errors.ImageNotFound:
-        return False
 
 
 def _ca_digest() -> str:
@@ -104,7 +87,7 @@ def ensure_base_image(progress: Callable[[str], None] = lambda m: None) -> str:
 def _ensure_root_image(tag: str, suite: str, packages: tuple[str, ...], what: str,
                        progress: Callable[[str], None]) -> str:
     """`tag` from `debootstrap --variant=minbase suite` with `packages` and the host's CA bundle, unless present."""
-    client = docker_client()
+    client = docker_client(BUILD_TIMEOUT_S, "building images")
     try:
         if image_exists(client, tag):
             return tag
@@ -208,7 +191,7 @@ def build_image(context: str | Path, *, tag: str, what: str, log_path: str | Pat
     if not df.is_file():
         raise UsageError(f"{what}: no {dockerfile} in {context}")
     text, used = map_from_lines(df.read_text(errors="replace"), base_images or {})
-    client = docker_client()
+    client = docker_client(BUILD_TIMEOUT_S, "building images")
     try:
         if image_exists(client, tag):
             return used

@@ -1,0 +1,117 @@
+"""The engine opener (engines/load.py), the engine device (devices.engine_device) and a weight sync into an
+engine (engines/base.py apply_sync).
+
+A machine with GPUs is faked where the device choice is what is checked: torch.cuda.device_count is
+what devices.cuda_count asks (through NVML, without initialising CUDA), so patching it is the whole of
+that machine's answer. Nothing here moves a tensor to CUDA.
+"""
+
+import pytest
+import torch
+
+from tsrl_cli.devices import engine_device
+from tsrl_cli.engines.base import apply_sync
+from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.load import engine_config, engine_dtype, engine_on_model, open_engine
+from tsrl_cli.engines.scripted import ScriptedEngine
+from tsrl_cli.errors import UsageError
+from tsrl_cli.policy import build_tiny_model
+
+
+def gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_engine_device_default_is_the_first_gpu_else_cpu(monkeypatch):
+    gpus(monkeypatch, 0)
+    assert engine_device(None) == "cpu"
+    gpus(monkeypatch, 2)
+    assert engine_device(None) == "cuda:0"
+    assert engine_device("cuda:1") == engine_device("1") == "cuda:1" and engine_device("cpu") == "cpu"
+
+
+@pytest.mark.parametrize("spec,n,msg", [
+    ("cuda:7", 2, "cuda:7 is not available here (2 CUDA device(s))"),
+    ("cuda:0", 0, "sees no CUDA device"),
+    ("bogus", 2, "not a device list"),
+    ("0-1", 2, "names 2 devices"),
+])
+def test_engine_device_refuses_a_bad_spec_in_one_line(monkeypatch, spec, n, msg):
+    gpus(monkeypatch, n)
+    with pytest.raises(UsageError, match="--device") as e:
+        engine_device(spec)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_engine_dtype_auto_rule():
+    assert engine_dtype("hf", "cuda:0") == "bfloat16" and engine_dtype("hf", "cpu") == "float32"
+    assert engine_dtype("vllm", "cuda:0") == "auto"  # vLLM reads the model's config
+    assert engine_dtype("hf", "cuda:0", "float64") == "float64"
+    with pytest.raises(UsageError, match="float16"):
+        engine_dtype("hf", "cpu", "float16")
+
+
+def test_open_engine_hf_on_the_device_and_dtype_asked(monkeypatch):
+    """The hf engine's model is loaded on devices[0] in engine_dtype's dtype; a fake CUDA machine shows the
+    request (load_policy is asked for cuda:1 and bfloat16), served here from the CPU."""
+    import tsrl_cli.engines.load as opener
+
+    asked, real = [], opener.load_policy
+
+    def on_cpu(model, *, dtype, device, **kw):
+        asked.append((device, dtype))
+        return real(model, dtype="float32", device="cpu", **kw)
+
+    monkeypatch.setattr(opener, "load_policy", on_cpu)
+    engine, device = open_engine("builtin:tiny", "hf", ("cuda:1",))
+    assert asked == [("cuda:1", "bfloat16")] and device == "cuda:1" and isinstance(engine, HFEngine)
+    engine, device = open_engine("builtin:tiny", "hf", ("cpu",), "float64")
+    assert asked[-1] == ("cpu", "float64") and device == "cpu"
+
+
+def test_open_engine_cpu_for_real():
+    engine, device = open_engine("builtin:tiny")
+    assert device == "cpu" and engine_config(engine) == {"engine": "hf", "dtype": "float32", "device": "cpu"}
+    with pytest.raises(UsageError, match="--engine 'tgi'"):
+        open_engine("builtin:tiny", "tgi")
+
+
+def test_engine_config_names_other_engines_by_class(tok):
+    assert engine_config(ScriptedEngine(tok, lambda ctx, k: "")) == {"engine": "ScriptedEngine", "dtype": None,
+                                                                     "device": None}
+
+
+class FakeBus:
+    """WeightBus.receive's face: calls apply(bucket) per bucket, returns the sync's info."""
+
+    def __init__(self, buckets, version):
+        self.buckets, self.version = buckets, version
+
+    def receive(self, apply):
+        for b in self.buckets:
+            apply(b)
+        return {"version": self.version, "published_at": 1.0, "bytes": 8 * sum(len(b) for b in self.buckets)}
+
+
+def test_apply_sync_loads_every_bucket_and_sets_the_version_last():
+    engine = engine_on_model(build_tiny_model(0, torch.float64))
+    source = build_tiny_model(1, torch.float64)  # the weights the learner publishes
+    named = dict(source.named_parameters())
+    names = sorted(named)
+    buckets = [{n: named[n].detach() for n in names[: len(names) // 2]},
+               {n: named[n].detach() for n in names[len(names) // 2:]}]
+    seen, firsts = [], []
+    real_update = engine.update_weights
+
+    def update(bucket, version):  # the engine's version while each bucket is applied
+        seen.append(engine.version)
+        real_update(bucket, version)
+
+    engine.update_weights = update
+    info = apply_sync(engine, FakeBus(buckets, 5).receive, first_bucket=lambda: firsts.append(len(seen)))
+    assert info["version"] == 5 == engine.version and seen == [0, 0] and firsts == [0]
+    got = dict(engine.model.named_parameters())
+    assert all(torch.equal(got[n], named[n]) for n in names)
+
+    info = apply_sync(engine, FakeBus([], None).receive, first_bucket=lambda: firsts.append("again"))
+    assert info["version"] is None and engine.version == 5 and firsts == [0]  # nothing newer: untouched
