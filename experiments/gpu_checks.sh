@@ -12,6 +12,8 @@
 #   4. tsrl bench speedup on the toy workload with the processes on cuda:0 (labelled toy scale)
 #   5. two stream rounds with the vllm engine (where vLLM is installed) and with hf, on cuda:0: round 2's
 #      behavior log-probs against the learner's under the round-1 checkpoint, and generation tokens/s
+#   6. NEEDS A GPU: tsrl plan's learner figure (fake CPU tensors) against torch.cuda.max_memory_allocated of the same
+#      pass and AdamW step on cuda:0, Qwen3-1.7B's config with random weights, bf16, 4096 tokens (<= 10 %)
 # Steps 1, 4 and 5 (and step 2's OPD run) put the rollout engine and the learner's rank 0 on cuda:0. NCCL
 # refuses two ranks of one communicator on one GPU, so the weight bus's auto backend joins co-located
 # members over gloo through host copies (rl/weightbus.py choose_backend); step 2's GRPO run puts the
@@ -60,4 +62,5 @@ if $PY -c "import vllm" 2>/dev/null; then
 else
   echo "=== engine_rounds_vllm: skipped, vLLM is not installed here"
 fi
+run plan_vs_cuda 200 $PY experiments/plan_vs_cuda.py --config experiments/node8/models/Qwen3-1.7B --tokens 4096 --json
 echo "done; logs in $OUT_DIR"

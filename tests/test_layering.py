@@ -196,7 +196,8 @@ def homes(attr: str, qualifier: str | None = None) -> set[str]:
     ("replace", "os", {"files.py"}),  # atomic writes
     ("rename", None, {"files.py"}),
     ("mkstemp", "tempfile", {"files.py"}),
-    ("fsync", "os", {"files.py", "evals/runner.py"}),  # the runner appends one fsynced record line at a time
+    # the runner appends one fsynced record line at a time; RunLog a durable row (the trajectory journal)
+    ("fsync", "os", {"files.py", "evals/runner.py", "rl/runlog.py"}),
 ])
 def test_one_home(attr, qualifier, allowed):
     assert homes(attr, qualifier) <= allowed, homes(attr, qualifier) - allowed
@@ -233,7 +234,7 @@ def test_one_error_to_exit_helper():
 # tensorboard/ and wandb/ (trackers.py; the names are also packages') and builds/ (train.py's docker
 # builds; tbench names its own folders so too). The round-<k> prefix needs "checkpoints" beside it.
 RUN_FILES = {"config.yaml", "metrics.jsonl", "events.jsonl", "rollouts.jsonl", "checkpoints", "state.json", "DONE",
-             "eval_round0.json", "processes.json", "sweep.json"}
+             "eval_round0.json", "processes.json", "sweep.json", "journal"}
 
 
 def run_file_literals(tree) -> list[tuple[int, str, str]]:

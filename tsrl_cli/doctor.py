@@ -26,8 +26,10 @@ import torch.distributed as dist
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
-from tsrl_cli.engines.openai import ServerDown, http_json
+from tsrl_cli.engines.auth import client_api_key
+from tsrl_cli.engines.openai import ServerDown, Unauthorized, http_json
 from tsrl_cli.errors import OperationFailed, UsageError
+from tsrl_cli.plan import plan_experiment
 from tsrl_cli.rl.toy import ECHO, TOY_PREFIX, parse_toy_spec
 from tsrl_cli.rl.train import EMBEDDED_POLICY
 from tsrl_cli.rl.weightbus import bus_backend, bus_members, nccl_problem
@@ -278,16 +280,20 @@ def _dataset_check(key: str, name: str, limit: int | None) -> Check:
     return Check(what, True, f"{len(ds.tasks)} tasks in {ds.path}")
 
 
-def _server_check(url: str, timeout_s: float = 5.0) -> Check:
+def _server_check(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> Check:
     """A rollout server answers /health, and has the weight-bus endpoints training needs (`tsrl serve`)."""
     what = f"rollout.servers {url}"
     try:
         http_json(f"{url.rstrip('/')}/health", timeout_s=timeout_s)
     except (ServerDown, OperationFailed) as e:
         return Check(what, False, f"no healthy answer: {str(e).removeprefix(url).lstrip('/: ')}",
-                     f"start it there: tsrl serve --model DIR --host 0.0.0.0 --port {url.rsplit(':', 1)[-1].rstrip('/')}")
+                     f"start it there: TSRL_API_KEY=KEY tsrl serve --model DIR --host 0.0.0.0 --port "
+                     f"{url.rsplit(':', 1)[-1].rstrip('/')}")
     try:
-        st = http_json(f"{url.rstrip('/')}/tsrl/weights/status", timeout_s=timeout_s)
+        st = http_json(f"{url.rstrip('/')}/tsrl/weights/status", timeout_s=timeout_s, api_key=api_key)
+    except Unauthorized as e:  # /health answers anyone; the rest wants the server's key
+        detail, _, fix = str(e).removeprefix(url).lstrip("/: ").partition("; ")
+        return Check(what, False, detail, fix)
     except (ServerDown, OperationFailed):
         st = {}
     if not st.get("weight_bus"):
@@ -300,7 +306,8 @@ def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     """One Check per thing the resolved config needs from this machine, in config order."""
     opd = cfg.objective == "opd"
     if cfg.rollout.engine == "openai":  # the engines are the servers: this machine runs the agent sessions only
-        out = [_server_check(url) for url in cfg.rollout.servers]
+        key = client_api_key(cfg.rollout.server_api_key)
+        out = [_server_check(url, api_key=key) for url in cfg.rollout.servers]
     else:
         replicas = rollout_replicas(cfg)
         out = [_devices_check("devices.rollout", cfg.devices.rollout, tuple(d for r in replicas for d in r), facts)]
@@ -334,4 +341,26 @@ def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     out += [_dataset_check("data.train", name, cfg.data.limit) for name in cfg.data.train]
     if cfg.eval.every > 0:
         out += [_dataset_check("eval.datasets", name, cfg.eval.limit) for name in cfg.eval.datasets]
-    return out
+    return out + _memory_checks(cfg, facts)
+
+
+def _memory_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
+    """`tsrl plan` on this machine's devices: one failed check per process that does not fit, else one ok line;
+    nothing when the models' config.json cannot be read here (builtin models; the model checks say what is missing)."""
+    try:
+        plan = plan_experiment(cfg, gpus={g.index: g.memory_bytes for g in facts.gpus},
+                               host_gib=facts.memory_bytes / 2**30 if facts.memory_bytes else None)
+    except UsageError:
+        return []
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    bad = [p for p in plan["processes"] if not p["fits"]]
+    if not bad:
+        top = max(plan["processes"], key=lambda p: p["device_bytes"] / p["capacity_bytes"])
+        return [Check("memory plan", True, f"every process fits; the fullest device is {top['device']}: "
+                      f"{gib(top['device_bytes'])} of {gib(top['capacity_bytes'])}")]
+    return [Check(f"memory {p['name']} on {p['device']}", False,
+                  f"peak {gib(p['peak_bytes'])}; with the device's other processes {gib(p['device_bytes'])} of "
+                  f"{gib(p['capacity_bytes'])} ({p['capacity']})",
+                  "`tsrl plan` shows the parts; fewer tokens per micro-batch, learner.activation_checkpointing, "
+                  "learner.logits_chunk_tokens, loss.max_open_groups or loss.buffer_device=cpu shrink a learner, "
+                  "rollout.max_batch an hf engine") for p in bad]

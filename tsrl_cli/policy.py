@@ -3,6 +3,7 @@
     load_policy(spec, dtype=, device=, lora=, base=)   -> (model, tokenizer)   every process and command
     save_policy(model, tokenizer, out_dir, ...)        a save_pretrained folder, written atomically
     build_tiny_model(seed, ...)                        a Qwen3 with seeded random weights (no hub)
+    model_config(folder) / build_from_config(config)   a model's architecture from its config.json alone (tsrl plan)
     forward_logprobs(model, ids_B_T, ...)              (B, T) log-probs (with grad) for the losses
     score_tokens(model, ids, start, end)               log-probs of some tokens (no grad): teacher, reference
 
@@ -36,7 +37,7 @@ import torch.utils.checkpoint
 import transformers
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
 from tsrl_cli.config import DTYPES
 from tsrl_cli.core.losses import chunked_token_logprobs, token_entropy, token_logprobs
@@ -114,6 +115,38 @@ def _prepare(model, dtype: torch.dtype):
     if dtype == torch.float64:
         keep_float64_norms(model)
     return model.eval()
+
+
+def model_config(folder: str | Path) -> PretrainedConfig:
+    """The architecture in a model folder's config.json (no weights are read); exit 2 when the folder has none or
+    its model type is one this transformers does not know."""
+    f = Path(folder) / "config.json"
+    if not f.is_file():
+        raise UsageError(f"{folder}: no config.json; point at a model folder (or a folder holding only its "
+                         "config.json, e.g. experiments/node8/models/Qwen3-8B)")
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (ValueError, KeyError, OSError) as e:  # an unknown model_type, malformed JSON
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{f}: not a config transformers can build ({first[:200]})") from None
+
+
+def build_from_config(config: PretrainedConfig, dtype: str | torch.dtype = torch.float32, *, lora=None,
+                      seed: int = 0):
+    """The causal LM of `config` in `dtype`, with freshly initialized weights (seeded), in eval mode, and wrapped
+    in LoRA adapters when lora.rank > 0, as load_policy would give it. Under FakeTensorMode its parameters are
+    fake: the architecture's shapes with no memory behind them (tsrl plan measures memory that way). The
+    parameters are created in `dtype` (no cast afterwards, which fake parameters do not allow)."""
+    dt = _dtype(dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dt)
+    if dt == torch.float64:
+        keep_float64_norms(model)
+    model.eval()
+    if lora is not None and lora.rank > 0:
+        model = wrap_lora(model, lora.rank, lora.alpha, tuple(lora.targets), seed)
+    return model
 
 
 # ---------------------------------------------------------------------------- loading
@@ -283,6 +316,7 @@ def save_policy(model, tokenizer, out_dir: str | Path, *, dtype: str | torch.dty
     it as a RuntimeError); nothing of the folder is left.
     """
     out = Path(out_dir)
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bar on stderr: runs print their own
     try:
         with atomic_dir(out) as tmp:
             if is_lora(model):

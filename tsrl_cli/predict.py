@@ -102,33 +102,41 @@ def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1, *, rollo
     backward that costs the most expensive of them (an OPD row over the latest turn's prefix).
     With the defaults this is FIFO list scheduling: start = max(arrival, first free learner).
     """
-    arrivals = sorted(items, key=lambda i: i.finished_at_s)
+    jobs = [(i.finished_at_s, i.learner_cost_s, i.trajectory) for i in items]
+    return _drain(jobs, learners, rollout_slowdown, per_backward_s, coalesce)
+
+
+def _drain(jobs: list[tuple[float, float, str | None]], learners: int, rollout_slowdown: float,
+           per_backward_s: float, coalesce: bool) -> float:
+    """drain_time on (arrival s, cost s, trajectory) tuples: the fit calls it for every round at every step."""
+    arrivals = sorted(jobs, key=lambda j: j[0])
     free = [0.0] * learners  # when each learner is next free (real seconds)
-    queue: list[Item] = []
+    queue: list[tuple[float, float, str | None]] = []
     t = v = end = 0.0  # real time, the rollout's clock, the last backward's end
     n, k = len(arrivals), 0
     while k < n or queue:
-        idle = [j for j in range(learners) if free[j] <= t]
-        while queue and idle:  # start work on every idle learner
-            head = queue.pop(0)
-            taken = [head]
-            if coalesce and head.trajectory is not None:
-                taken += [i for i in queue if i.trajectory == head.trajectory]
-                queue = [i for i in queue if i.trajectory != head.trajectory]
-            j = idle.pop(0)
-            free[j] = t + max(i.learner_cost_s for i in taken) + per_backward_s
-            end = max(end, free[j])
+        if queue:
+            idle = [j for j in range(learners) if free[j] <= t]
+            while queue and idle:  # start work on every idle learner
+                head = queue.pop(0)
+                cost = head[1]
+                if coalesce and head[2] is not None:
+                    cost = max([cost] + [i[1] for i in queue if i[2] == head[2]])
+                    queue = [i for i in queue if i[2] != head[2]]
+                j = idle.pop(0)
+                free[j] = t + cost + per_backward_s
+                end = max(end, free[j])
         if k == n:  # nothing left to arrive: the queue waits for learners only
             if queue:
                 t = min(f for f in free if f > t)
             continue
         busy = [f for f in free if f > t]
         rate = 1.0 / (1.0 + rollout_slowdown) if busy else 1.0
-        t_arrive = t + max(0.0, arrivals[k].finished_at_s - v) / rate
+        t_arrive = t + max(0.0, arrivals[k][0] - v) / rate
         t_free = min(busy) if busy else math.inf
         if t_arrive <= t_free:
-            t, v = t_arrive, max(v, arrivals[k].finished_at_s)
-            while k < n and arrivals[k].finished_at_s <= v:
+            t, v = t_arrive, max(v, arrivals[k][0])
+            while k < n and arrivals[k][0] <= v:
                 queue.append(arrivals[k])
                 k += 1
         else:
@@ -191,9 +199,8 @@ def calibrated_drain(items, learners: int, batch_work_s: float, batch_positions:
             traj[key] = max(traj.get(key, 0), i.positions)
         batch_positions = len(traj) * max(traj.values())
     per_pos = batch_work_s / batch_positions
-    priced = [replace(i, learner_cost_s=cal.cost_scale * per_pos * i.positions) for i in items]
-    return drain_time(priced, learners, rollout_slowdown=cal.rollout_slowdown, per_backward_s=cal.per_backward_s,
-                      coalesce=True)
+    priced = [(i.finished_at_s, cal.cost_scale * per_pos * i.positions, i.trajectory) for i in items]
+    return _drain(priced, learners, cal.rollout_slowdown, cal.per_backward_s, True)
 
 
 def ceiling(makespan_s: float, work_s: float, batch_work_s: float, learners: int = 1,

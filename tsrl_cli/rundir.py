@@ -7,6 +7,7 @@
       .config()                           config.yaml through config.load_config: a TrainConfig
       .config_dict()                      config.yaml as written (keys by dotted path, for the report)
       .checkpoints(), .checkpoint_path(k) completed checkpoints {round: folder}; where round k's goes
+      .journal_name(k), .journal_rounds() round k's trajectory journal (a name for rows/read); rounds that have one
       .started(), .done(), .summary()     config.yaml written; DONE written; DONE's JSON summary
     read_jsonl(path, torn)                any JSON-lines file (gunzipped when its name ends in .gz)
     runs_under(root)                      the run directories of a results tree (folders with metrics.jsonl)
@@ -20,8 +21,9 @@ leaves at most its last line without the newline; the caller says what a bad lin
     SKIP       bad lines are left out and counted (the report, over runs that may still be written)
 
 An error is a UsageError naming file:line and the fix. Writing (appends, config.yaml, DONE,
-resume's rewrite) is rl/runlog.py's RunLog, a RunDir that writes; the learner writes
-checkpoints. The file names appear in code only here (tests/test_layering.py).
+resume's rewrite) is rl/runlog.py's RunLog, a RunDir that writes (the rollout process appends
+the trajectory journal through one); the learner writes checkpoints. The file names appear in
+code only here (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ CHECKPOINT_STATE = "state.json"  # the last file the learner writes into a check
 EVAL_ROUND0 = "eval_round0.json"  # the initial weights' held-out metrics (eval.every)
 PIDS = "processes.json"  # {main, rollout, learner[, teacher]: pid} while the workers run
 DONE = "DONE"  # the run's JSON summary, written last
+JOURNAL = "journal"  # journal/round-<k>.jsonl: round k's trajectories, each fsynced as it ends (rl/journal.py)
 SWEEP = "sweep.json"  # at the root of a results tree: what `tsrl sweep` planned with
 GZ = ".gz"  # a compressed copy (committed run inputs); read as the plain file
 
@@ -130,7 +133,7 @@ class RunDir:
     def file(self, name: str) -> Path:
         """root/name, else root/name.gz when only that exists (the plain name when neither does)."""
         plain = self.root / name
-        packed = plain.with_name(name + GZ)
+        packed = plain.with_name(plain.name + GZ)
         return packed if not plain.is_file() and packed.is_file() else plain
 
     def read(self, name: str, torn: str = DROP_LAST) -> Rows:
@@ -167,6 +170,15 @@ class RunDir:
             if k.isdigit() and (d / CHECKPOINT_STATE).is_file():
                 out[int(k)] = d
         return dict(sorted(out.items()))
+
+    def journal_name(self, round_: int) -> str:
+        """Round k's trajectory journal as a name for rows() and read(): journal/round-<k>.jsonl."""
+        return f"{JOURNAL}/{_ROUND}{round_}.jsonl"
+
+    def journal_rounds(self) -> list[int]:
+        """The rounds that have a journal file, in order."""
+        names = (p.name.removeprefix(_ROUND).removesuffix(".jsonl") for p in (self.root / JOURNAL).glob(f"{_ROUND}*"))
+        return sorted(int(k) for k in names if k.isdigit())
 
     def done(self) -> bool:
         return self.done_path.is_file()

@@ -1,15 +1,18 @@
 """A small byte-level BPE tokenizer with a ChatML chat template, trained locally (no hub).
 
 ChatML is the turn format of the Qwen family: `<|im_start|>role\\n...<|im_end|>\\n`. The agent
-renderer (agent/renderer.py) relies on these two special tokens.
+renderer (agent/renderer.py) relies on these two special tokens. `with_chat_template` puts another
+model's chat template (and the added tokens it writes, e.g. Qwen3's <tool_call> and <think>) on such a
+tokenizer, so the agent's rendering through a model's own template is tested offline.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -57,3 +60,13 @@ def train_chatml_tokenizer(texts: Iterable[str], vocab_size: int = 512, out_dir:
     if out_dir is not None:
         fast.save_pretrained(str(out_dir))
     return fast
+
+
+def with_chat_template(tokenizer, template: str, added_tokens: Iterable[str] = ()):
+    """A copy of `tokenizer` with `template` as its chat template and `added_tokens` added, each one token
+    that BPE never splits (as a model's tokenizer holds them; not special, so decoding keeps them). The
+    new ids come after the vocabulary: a model of the old vocabulary size cannot embed them."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    tok.chat_template = template
+    return tok

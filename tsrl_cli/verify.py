@@ -3,6 +3,11 @@
 The lazy gradient is one backward of verl's loss over the whole round; the streamed one is
 built trajectory by trajectory (GRPO) or turn by turn (OPD) in the chosen arrival order and
 joined with one scalar at close. Exit 0 when they agree within the dtype's tolerance.
+
+`--set learner.KEY=VALUE` takes tsrl train's learner.* keys: the streamed side then runs as training's learner
+does (activation checkpointing, the chunked head, the micro-batch caps); the lazy side stays the plain reference
+(one padded batch, every layer's activations kept, the full-vocabulary log-softmax), so the settings are checked
+against the computation they replace.
 """
 
 from __future__ import annotations
@@ -16,27 +21,30 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load, save, save_file
 
-from tsrl_cli.config import DTYPES, LossConfig
+from tsrl_cli.config import DTYPES, LearnerConfig, LossConfig, load_config, parse_set
+from tsrl_cli.core.graddiff import TOLERANCE, compare, tolerance  # noqa: F401 (TOLERANCE: importable from here)
 from tsrl_cli.devices import check_available, parse_devices
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.files import atomic_path
-from tsrl_cli.policy import BUILTIN_TINY, BUILTIN_TINY_TEACHER, TORCH_DTYPES, load_policy, score_tokens
+from tsrl_cli.policy import (
+    BUILTIN_TINY,
+    BUILTIN_TINY_TEACHER,
+    TORCH_DTYPES,
+    checkpoint_activations,
+    load_policy,
+    score_tokens,
+)
 from tsrl_cli.processes import init_worker
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout, read_rollouts
 
-# Relative tolerance (max |lazy - stream| / max |lazy|) per model dtype (each of config.DTYPES).
-# float64: both sides see the same float64 math, only the summation order differs. float32/bf16:
-# lazy sums inside one backward, stream sums per-trajectory gradients in fp32 buffers (figures in
-# results/LOG.md).
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2}
 ORDERS = ("random", "given", "reverse")
 
 
@@ -54,8 +62,24 @@ class VerifyOptions:
     group_size: int = 8
     queued: int = 1  # arrivals queued before the learner runs: 1 = per arrival, K > 1 = micro-batches
     learners: str = "cpu"  # the streaming learner's devices: more than one (cpu:N, 0-3) is a sharded group
-    max_microbatch_tokens: int | None = None
+    max_microbatch_tokens: int | None = None  # --max-microbatch-tokens; None: learner.max_microbatch_tokens
     save_grads: str | None = None
+    learner: LearnerConfig = field(default_factory=LearnerConfig)  # tsrl train's learner.* (--set learner.KEY=V)
+
+
+def learner_settings(sets: list[str] | tuple[str, ...]) -> LearnerConfig:
+    """`--set learner.KEY=VALUE` items as tsrl train reads them (types and values checked by config.py); any
+    other section is refused: the loss has its own flags, and nothing else enters a round's gradient."""
+    for item in sets:
+        section = next(iter(parse_set(item)))
+        if section != "learner":
+            raise UsageError(f"--set {item!r}: tsrl verify takes learner.* keys only (loss settings are its own "
+                             "flags; optim.* and the rest act after the gradient it compares)")
+    lc = load_config(None, list(sets)).learner
+    if lc.microbatch != "auto":
+        raise UsageError("--set learner.microbatch: tsrl verify micro-batches what --queued arrivals leave queued; "
+                         "use --queued K instead")
+    return lc
 
 
 def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int) -> list[Rollout]:
@@ -111,29 +135,6 @@ def arrival_order(items: list, order: str, seed: int) -> list:
     raise UsageError(f"--order {order!r} is unknown; use one of {', '.join(ORDERS)}")
 
 
-def compare(names: list[str], lazy: list[torch.Tensor], stream: list[torch.Tensor]) -> dict:
-    """Max absolute and relative difference, overall and for the worst parameter (by relative)."""
-    max_abs, max_ref = 0.0, 0.0
-    worst = ("", 0.0, 0.0)
-    for name, a, b in zip(names, lazy, stream, strict=True):
-        a64, b64 = a.double(), b.double()
-        d = float((a64 - b64).abs().max()) if a.numel() else 0.0
-        ref = float(a64.abs().max()) if a.numel() else 0.0
-        max_abs, max_ref = max(max_abs, d), max(max_ref, ref)
-        rel = d / ref if ref > 0 else (0.0 if d == 0 else float("inf"))
-        if rel > worst[1] or not worst[0]:
-            worst = (name, rel, d)
-    rel_all = max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return {
-        "max_abs_diff": max_abs,
-        "max_abs_grad": max_ref,
-        "max_rel_diff": rel_all,
-        "worst_param": worst[0],
-        "worst_param_rel_diff": worst[1],
-        "worst_param_abs_diff": worst[2],
-    }
-
-
 def save_safetensors(path: Path, names: list[str], grads: list[torch.Tensor]) -> None:
     with atomic_path(path) as tmp:
         save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads)}, str(tmp))
@@ -152,11 +153,14 @@ class GradPair:
 
 
 def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str = "random", seed: int = 0,
-                    queued: int = 1, max_tokens: int | None = None) -> GradPair:
+                    queued: int = 1, max_tokens: int | None = None, learner: LearnerConfig | None = None) -> GradPair:
     """The round's gradient twice: lazily (one loss, one backward) and streamed in `order`.
 
     queued: the learner runs after every `queued` arrivals (1: each arrival alone; more: what is
-    queued then is micro-batched, up to max_tokens padded positions per backward)."""
+    queued then is micro-batched, up to max_tokens padded positions per backward).
+    learner: the streamed side's learner.* settings (max_microbatch_items, logits_chunk_tokens, and
+    activation_checkpointing, which is put on `model` after the lazy backward and stays on: values are unchanged).
+    The lazy side is always the plain computation."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
@@ -167,11 +171,15 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
     model.zero_grad(set_to_none=True)
 
     items = arrivals(rollouts, obj, order, seed)
-    learner = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens)
+    lc = learner or LearnerConfig()
+    if lc.activation_checkpointing:
+        checkpoint_activations(model)
+    sl = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens,
+                       max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens)
     t0 = time.perf_counter()
-    stream = feed(learner, items, queued)
+    stream = feed(sl, items, queued)
     t_stream = time.perf_counter() - t0
-    return GradPair([n for n, _ in params], lazy, stream, learner, loss.detach(), len(items), t_lazy, t_stream)
+    return GradPair([n for n, _ in params], lazy, stream, sl, loss.detach(), len(items), t_lazy, t_stream)
 
 
 def arrivals(rollouts: list[Rollout], obj: Objective, order: str, seed: int) -> list[tuple[Rollout, int | None]]:
@@ -236,10 +244,14 @@ def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOp
         init_worker()
         group = LearnerGroup.join(rank, len(devices), devices[rank], store)
         model, _ = load_policy(opts.model, dtype=TORCH_DTYPES[opts.dtype], seed=opts.seed, tokenizer=False)
+        lc = opts.learner
+        if lc.activation_checkpointing:
+            checkpoint_activations(model)  # before sharding: inside each FSDP unit's hooks, as training does
         grads = ShardedGrads(group, model)
         group.shard(model, grads)
         sl = StreamLearner(model, obj, Counter(r.group_id for r, k in items if k in (None, 0)), grads=grads,
-                           rank=rank, world=len(devices), max_tokens=opts.max_microbatch_tokens)
+                           rank=rank, world=len(devices), max_tokens=lc.max_microbatch_tokens,
+                           max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens)
         grads.emit(feed(sl, items, opts.queued), sl.zero_loss)
         full = {n: p.grad.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         mine = {"backwards": sl.backwards, "microbatches": len(sl.batches), "buffer_bytes_per_set": sl.acc.param_bytes,
@@ -259,6 +271,9 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         raise UsageError(f"--order {opts.order!r} is unknown; use one of {', '.join(ORDERS)}")
     if opts.queued < 1 or (opts.max_microbatch_tokens is not None and opts.max_microbatch_tokens < 1):
         raise UsageError("--queued and --max-microbatch-tokens must be >= 1")
+    if opts.max_microbatch_tokens is not None:  # the flag over learner.max_microbatch_tokens, as flags over --set
+        opts = replace(opts, learner=replace(opts.learner, max_microbatch_tokens=opts.max_microbatch_tokens))
+    lc = opts.learner
     devices = parse_devices(opts.learners, "--learner-devices")
     for d in devices:
         check_available(d, "--learner-devices")
@@ -297,7 +312,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
             r.ref_logprobs = score_tokens(ref, r.input_ids)
 
     progress("lazy: one loss over the whole round, one backward; then stream in " + opts.order + " order")
-    g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed, opts.queued, opts.max_microbatch_tokens)
+    g = lazy_and_stream(model, rollouts, obj, opts.order, opts.seed, opts.queued, lc.max_microbatch_tokens, lc)
     names, lazy, stream, learner = g.names, g.lazy, g.stream, g.learner
     loss, t_lazy, t_stream, items = g.lazy_loss, g.time_lazy_s, g.time_stream_s, g.num_items
     ranks = None
@@ -309,8 +324,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         stream, ranks = [sharded["grads"][n] for n in names], sharded["ranks"]
 
     cmp = compare(names, lazy, stream)
-    # bf16 buffers (opt-in) round every partial sum to 8 bits of mantissa: judged at bf16's tolerance
-    tol = TOLERANCE[torch.bfloat16] if obj.loss.buffer_dtype == "bfloat16" else TOLERANCE[dtype]
+    tol = tolerance(dtype, bf16_buffers=obj.loss.buffer_dtype == "bfloat16")
     result = {
         "ok": cmp["max_rel_diff"] <= tol,
         "tolerance": tol,
@@ -344,6 +358,10 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "time_lazy_s": round(t_lazy, 4),
         "time_stream_s": round(t_stream, 4),
         "learner_ranks": len(devices),
+        "activation_checkpointing": lc.activation_checkpointing,  # the streamed side's learner.* settings
+        "logits_chunk_tokens": lc.logits_chunk_tokens,
+        "max_microbatch_tokens": lc.max_microbatch_tokens,
+        "max_microbatch_items": lc.max_microbatch_items,
     }
     if ranks is not None:  # the sharded group's own figures (the single-process ones above are the reference's)
         result.update(stream_backwards=ranks[0]["backwards"], microbatches=ranks[0]["microbatches"],

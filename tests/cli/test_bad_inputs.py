@@ -70,6 +70,11 @@ CASES = [
     ("train --set rollout.engine=openai --set rollout.servers=[ftp://x/y] --out {t}/out", "not a base URL"),
     ("train --set rollout.tensor_parallel=2 --out {t}/out", "only the vllm engine"),
     ("serve --model {t}/nonexistent --port 0", "not a model directory"),
+    ("serve --model {t}/tokenless --host 0.0.0.0 --port 0", "without an API key"),  # (TSRL_API_KEY unset)
+    ("serve --model {t}/tokenless --api-key 'two words' --port 0", "--api-key (or TSRL_API_KEY): an API key is visible"),
+    ("serve --model {t}/tokenless --max-body-mb 0 --port 0", "--max-body-mb 0"),
+    (("train --set rollout.engine=openai --set rollout.servers=[http://127.0.0.1:1] "
+      "--set 'rollout.server_api_key=two words' --out {t}/out"), "rollout.server_api_key"),
     ("train --rollout-devices gpu --out {t}/out", "not a device list"),
     ("train --set model.policy={t}/nonexistent --set data.train=[builtin:echo] --out {t}/out", "not a model directory"),
     ("train --set model.policy={t}/tokenless --set data.train=[builtin:echo] --out {t}/out", "ChatML tokenizer"),
@@ -82,6 +87,11 @@ CASES = [
     ("sweep {t}/unknown.yaml --dry-run", "unknown config key"),
     ("sweep experiments/smoke/tiny_cpu.yaml --seeds a,b --dry-run", "--seeds"),
     ("sweep experiments/smoke/tiny_cpu.yaml --schedules fast --dry-run", "--schedules"),
+    ("plan {t}/nonexistent.yaml", "experiment file not found"),
+    ("plan {t}/unknown.yaml", "did you mean group_size"),
+    ("plan experiments/node8/grpo_full.yaml --set model.policy_config={t}/plain_dir", "no config.json"),
+    ("plan experiments/node8/grpo_full.yaml --set model.policy_config={t}/corrupt_config", "not a config transformers"),
+    ("plan experiments/node8/grpo_full.yaml --capacity-gib nan", "--capacity-gib nan: must be a finite number"),
     ("predict --trace {t}/nonexistent", "not found"),
     ("predict --trace {t}/corrupt.jsonl", "not JSON"),
     ("calibrate {t}/nonexistent --out {t}/out", "not a folder"),
@@ -110,7 +120,8 @@ CASES = [
     ("eval tbench --dataset {t}/dataset --executor local --model {t}/tokenless --out {t}/out", "tokenizer"),
 ]
 COMMANDS = {"verify", "prepare-data", "data show", "data check", "env exec", "env list", "policy probe", "train",
-            "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench", "serve"}
+            "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench", "serve",
+            "plan"}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +136,8 @@ def bad(tmp_path_factory, prepare_fixture, tok):
     (t / "plain_dir").mkdir()
     (t / "corrupt_manifest").mkdir()
     (t / "corrupt_manifest" / "manifest.json").write_text("{")
+    (t / "corrupt_config").mkdir()
+    (t / "corrupt_config" / "config.json").write_text("{")  # a model folder's config.json, torn
     (t / "corrupt_model").mkdir()
     (t / "corrupt_model" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     (t / "corrupt_model" / "model.safetensors").write_text("junk")

@@ -11,8 +11,10 @@ from typer.testing import CliRunner
 from tsrl_cli.cli import app
 
 runner = CliRunner()
-TABLES = ("step_time", "learner_idle", "memory", "device_hours_to_target", "reward_at_budget", "predicted_vs_measured")
-FIGURES = ("speedup_vs_spread", "predicted_vs_measured", "gantt_round", "reward_curves", "reward_vs_device_s", "memory")
+TABLES = ("step_time", "learner_idle", "memory", "device_hours_to_target", "reward_at_budget", "predicted_vs_measured",
+          "trained_vs_sampled")
+FIGURES = ("speedup_vs_spread", "predicted_vs_measured", "gantt_round", "reward_curves", "reward_vs_device_s", "memory",
+           "trained_vs_sampled")
 
 
 def test_writes_every_table_and_figure(built):

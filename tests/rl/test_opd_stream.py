@@ -44,7 +44,7 @@ class ScriptedLearner:
     def progress(self, round_, work):
         pass
 
-    def finish(self, sl):
+    def finish(self, sl, plan, work):
         return sl.close_round()
 
 

@@ -18,6 +18,7 @@ from tsrl_cli.rl.train import train
 from tsrl_cli.rl.weightbus import WeightBus
 
 pytestmark = pytest.mark.slow
+KEY = "run-key-7"  # every server here wants it: the run must send it on every request, and never save it
 
 
 def rows(run_dir, name):
@@ -57,7 +58,7 @@ def server(model_dir, engine=HFEngine):
     with __import__("torch").no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    return start_server(engine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join)
+    return start_server(engine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join, api_key=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,8 @@ def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config,
     b.engine.server = b
     log: list[dict] = []
     try:
-        cfg = toy_config("rollout.engine=openai", f"rollout.servers=[{a.url},{b.url}]", out="srv", schedule="stream",
-                         rounds=2, **flags)
+        cfg = toy_config("rollout.engine=openai", f"rollout.servers=[{a.url},{b.url}]", f"rollout.server_api_key={KEY}",
+                         out="srv", schedule="stream", rounds=2, **flags)
         train(cfg, progress=log.append)
     finally:
         a.shutdown()
@@ -95,6 +96,8 @@ def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config,
     assert m[0]["replica_requests"][1] > 0  # b answered before it was lost (else the kill tested nothing)
     assert b.engine.calls == LostMidRound.answers + 1 and b.aborted > 0  # lost with requests in flight
     assert m[0]["rollout_engine"] == "OpenAIEngine" and m[1]["weight_sync_hosts"] == 1 and m[1]["weight_sync_s"] > 0
+    saved = (Path(cfg.run_dir()) / "config.yaml").read_text()
+    assert KEY not in saved and a.url in saved  # the key was sent (the servers answered) but never saved
 
 
 def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies, tmp_path, ref):
@@ -106,8 +109,10 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
     import sys
 
     root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TSRL_API_KEY": KEY}  # the recipe's way: the key in the environment of both sides
     srv = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "serve", "--model", str(toy_policies[0]), "--dtype",
-                            "float64", "--port", "0"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "float64", "--port", "0"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
     procs = []
     try:
         url = srv.stdout.readline().split()[2]  # "tsrl serve: http://127.0.0.1:PORT (model ...)"
@@ -121,7 +126,7 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                  "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, "-m", "tsrl_cli",
                  "train", *sets, "--learner-devices", "cpu", "--schedule", "stream", "--rounds", "2", "--out", str(out),
-                 "--json"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                 "--json"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results = [p.communicate(timeout=600) for p in procs]
         for p, (_, err) in zip(procs, results):
             assert p.returncode == 0, err[-3000:]
@@ -136,3 +141,4 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-9
     m = rows(out, "metrics.jsonl")
     assert [r["learner_ranks"] for r in m] == [2, 2] and all(r["rollout_engine"] == "OpenAIEngine" for r in m)
+    assert KEY not in (out / "config.yaml").read_text()

@@ -40,6 +40,9 @@ EVENT_KEYS = {
     "round_end": ["at_s", "learners"],
     "learner_work": ["backwards", "microbatches", "positions", "trajectory_tokens", "padded_tokens", "busy_cpu_s"],
     "teacher": ["busy_s", "busy_cpu_s", "turns", "positions"],
+    "sampled": ["tasks", "tokens", "turns"],
+    "trajectory": ["id", "group_id", "sample_index", "finished_at_s", "tokens", "loss_tokens", "turns", "exit",
+                   "staleness", "reward"],
 }
 
 

@@ -24,6 +24,15 @@ def held_at(round_: int, marker: Path) -> dict[str, str]:
     return dict(os.environ, **{HOLD_ENV: f"{round_}:{marker}"})
 
 
+def held_after(round_: int, ended: int, marker: Path) -> dict[str, str]:
+    """The environment of a run whose rollout process holds in round_ once `ended` of its trajectories have
+    ended (in the journal, on their way to the learner; HOLD_AFTER_ENV): a strike while `marker` exists lands
+    mid-round with exactly that many of the round's trajectories done."""
+    from tsrl_cli.rl.rollout_worker import HOLD_AFTER_ENV
+
+    return dict(os.environ, **{HOLD_AFTER_ENV: f"{round_}:{ended}:{marker}"})
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -14,6 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+SYSTEM_PROMPT = (
+    "You are an agent working in a shell. Each reply: a short THOUGHT, then exactly one ```bash block "
+    "with one command. Its output comes back to you. When the task is done, reply with the command `submit`."
+)
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 _BLOCK = re.compile(r"```(?:bash|sh)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -27,15 +31,16 @@ FORMAT_ERROR = (
 class Action:
     kind: str  # "bash" | "submit" | "format_error"
     command: str = ""
+    error: str = ""  # format_error: its kind (no_call, multiple_calls, empty_command; agent/toolcalls.py adds more)
 
 
 def parse_action(text: str) -> Action:
     blocks = _BLOCK.findall(text)
     if len(blocks) != 1:
-        return Action("format_error")
+        return Action("format_error", error="no_call" if not blocks else "multiple_calls")
     cmd = blocks[0].strip()
     if not cmd:
-        return Action("format_error")
+        return Action("format_error", error="empty_command")
     if cmd == "submit":
         return Action("submit")
     return Action("bash", cmd)

@@ -14,16 +14,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tsrl_cli.agent.actions import FORMAT_ERROR, parse_action, submitted_by_output
+from tsrl_cli.agent.actions import SYSTEM_PROMPT, submitted_by_output  # noqa: F401 - SYSTEM_PROMPT imported from here
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.renderer import ChatMLRenderer, TokenTrajectory
+from tsrl_cli.agent.template import TemplateRenderer
 from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest, request_seed
 from tsrl_cli.rollouts import Rollout
-
-SYSTEM_PROMPT = (
-    "You are an agent working in a shell. Each reply: a short THOUGHT, then exactly one ```bash block "
-    "with one command. Its output comes back to you. When the task is done, reply with the command `submit`."
-)
 
 
 @dataclass
@@ -70,6 +66,7 @@ class AgentResult:
     events: list[dict]
     num_turns: int
     policy_versions: list[int]
+    tool_call_errors: list[str] = field(default_factory=list)  # the kind of each turn whose call could not run
 
 
 def _clip(text: str, n: int) -> str:
@@ -85,7 +82,7 @@ def observation_text(output: str, exit_code: int | None, limit: str | None, max_
 async def run_agent(
     env: AgentEnv,
     generate: Callable[[TurnRequest], Awaitable[TurnOutput]],
-    renderer: ChatMLRenderer,
+    renderer: ChatMLRenderer | TemplateRenderer,
     *,
     group_id: str,
     sample_index: int,
@@ -95,13 +92,15 @@ async def run_agent(
     latency: ToolLatency = ToolLatency(),
     clock: Callable[[], float] = time.monotonic,
     on_event: Callable[[dict], None] | None = None,
-    system_prompt: str = SYSTEM_PROMPT,
+    system_prompt: str | None = None,
     on_turn: Callable[[TokenTrajectory, int], None] | None = None,
 ) -> AgentResult:
     """Run one trajectory. `seed_key` (round, task, sample...) makes every turn's seed unique and stable.
 
-    `on_turn(traj, k)` is called at each turn close with the live token trajectory (its last span
-    is turn k): what a per-turn consumer (the OPD teacher) needs. Copy what you keep; it grows.
+    `renderer` (agent/template.py make_renderer) is the chat format: the prompt, the parse of each turn, the
+    observations; `system_prompt` None is the renderer's own. `on_turn(traj, k)` is called at each turn close
+    with the live token trajectory (its last span is turn k): what a per-turn consumer (the OPD teacher)
+    needs. Copy what you keep; it grows.
     """
     events: list[dict] = []
 
@@ -113,9 +112,9 @@ async def run_agent(
 
     start = time.monotonic()
     traj = TokenTrajectory()
-    traj.append(renderer.prompt(system_prompt, env.instruction), 0)
+    traj.append(renderer.prompt(renderer.system_prompt if system_prompt is None else system_prompt, env.instruction), 0)
     lat_rng = random.Random(request_seed(sampling.seed, *seed_key, "latency"))
-    exit_reason, versions, n_tool = "max_turns", [], 0
+    exit_reason, versions, n_tool, call_errors = "max_turns", [], 0, []
     for turn in range(limits.max_turns):
         budget = limits.max_trajectory_tokens - len(traj.input_ids)
         if budget <= 0:
@@ -134,18 +133,20 @@ async def run_agent(
         versions.append(out.policy_version)
         span = traj.append(out.token_ids, 1, out.logprobs)
         traj.turn_spans.append(span)
+        action = renderer.parse(out.token_ids)
+        if action.kind == "format_error":
+            call_errors.append(action.error)
         emit("turn_close", turn=turn, span=list(span), tokens=len(out.token_ids), finish_reason=out.finish_reason,
-             policy_version=out.policy_version)
+             policy_version=out.policy_version, tool_call_error=action.error or None)
         if on_turn is not None:
             on_turn(traj, turn)
         if out.finish_reason != "stop":  # cut by max_tokens: close the turn for the template (not trained on)
-            traj.append([renderer.im_end], 0)
-        action = parse_action(renderer.decode(out.token_ids))
+            traj.append([renderer.end_of_turn], 0)
         if action.kind == "submit":
             exit_reason = "submitted"
             break
         if action.kind == "format_error":
-            observation = FORMAT_ERROR
+            traj.append(renderer.feedback(renderer.error_text(action)), 0)
         else:
             remaining = limits.wall_clock_s - (time.monotonic() - start)
             t0 = clock()
@@ -166,7 +167,7 @@ async def run_agent(
                 exit_reason = "submitted"
                 break
             observation = observation_text(res.output, res.exit_code, res.limit, limits.max_observation_chars)
-        traj.append(renderer.observation(observation), 0)
+            traj.append(renderer.observation(observation), 0)
     try:
         reward = await env.reward()
     except Exception as e:  # noqa: BLE001 - a crashing verifier gives reward 0, never a crashed run
@@ -174,5 +175,6 @@ async def run_agent(
     rollout = Rollout(group_id, sample_index, traj.input_ids, traj.loss_mask, float(reward.reward),
                       list(traj.turn_spans), behavior_logprobs=traj.behavior_logprobs)
     emit("trajectory_end", reason=exit_reason, reward=reward.reward, reward_reason=reward.reason,
-         turns=len(traj.turn_spans), tokens=len(traj.input_ids), loss_tokens=sum(traj.loss_mask))
-    return AgentResult(rollout, exit_reason, reward, events, len(traj.turn_spans), versions)
+         turns=len(traj.turn_spans), tokens=len(traj.input_ids), loss_tokens=sum(traj.loss_mask),
+         tool_call_errors=len(call_errors))
+    return AgentResult(rollout, exit_reason, reward, events, len(traj.turn_spans), versions, call_errors)

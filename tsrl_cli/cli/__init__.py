@@ -15,6 +15,7 @@ from tsrl_cli import __version__
 from tsrl_cli.cli.bench import bench_app
 from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.doctor import DOCTOR_EPILOG, doctor
+from tsrl_cli.cli.plan import PLAN_EPILOG, plan
 from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.eval import eval_app
 from tsrl_cli.cli.policy import policy_app
@@ -70,6 +71,7 @@ app.add_typer(bench_app, name="bench")
 app.command("sweep", epilog=SWEEP_EPILOG)(sweep)
 app.add_typer(eval_app, name="eval")
 app.command("doctor", epilog=DOCTOR_EPILOG)(doctor)
+app.command("plan", epilog=PLAN_EPILOG)(plan)
 app.command("serve", epilog=SERVE_EPILOG)(serve)
 
 

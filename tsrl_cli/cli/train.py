@@ -123,6 +123,7 @@ class TrainDisplay:
             line = (f"round {r['round']}/{self.total_rounds}: step {r['step_time_s']:.2f} s, makespan "
                     f"{r['rollout_makespan_s']:.2f} s, learner idle {100 * r['learner_idle_frac']:.0f} %, "
                     f"reward {r['reward_mean']:.3f}, staleness {r['staleness_max']}"
+                    + (f", verify_rel_diff {r['verify_rel_diff']:.1e}" if r.get("verify_rel_diff") is not None else "")
                     + (f", [yellow]environment errors {r['env_errors']}[/yellow]" if r.get("env_errors") else ""))
             if self._progress is not None:
                 self._progress.console.print(f"[dim]· {line}[/dim]", highlight=False)
@@ -194,6 +195,11 @@ def render_summary(console, cfg, s: dict) -> None:
         m.add_row(k, v)
     m.add_row("reward", f"{_fmt(s['reward_first'])} (round 1) -> {_fmt(s['reward_last'])} (round {s['rounds']})")
     m.add_row("staleness max", str(s["staleness_max"]))
+    if s.get("verify_rounds"):  # run.verify_every: every round here, not only those after the first
+        share = s["verify_share_of_learner"]
+        cost = _fmt(None if share is None else 100 * share, ".1f", " %")
+        m.add_row("exactness certificate", f"{s['verify_rounds']} rounds, max verify_rel_diff "
+                                           f"{s['verify_rel_diff_max']:.2e}, recomputation {cost} of learner busy time")
     m.add_row("wall / core seconds", f"{_fmt(s['wall_s'], '.1f')} / {_fmt(s['core_s'], '.1f')}")
     m.add_row("checkpoint", str(s["checkpoint"]))
     m.add_row("run directory", s["run_dir"])

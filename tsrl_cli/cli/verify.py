@@ -71,6 +71,7 @@ def verify(
     max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows x longest row); default no cap.")] = None,
     learner_devices: Annotated[str, typer.Option(help="The streaming learner's devices: cpu (one process, default), or a sharded group: cpu:N (N CPU ranks), 0-3, 0,1 (CUDA).")] = "cpu",
     save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="A learner.* key of tsrl train, for the streamed side: --set learner.activation_checkpointing=true --set learner.logits_chunk_tokens=512 (repeatable).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Compute one round's gradient lazily and by streaming, and print how far apart they are.
@@ -80,12 +81,12 @@ def verify(
     from tsrl_cli.console import console, progress_printer
 
     with cli_errors():
-        from tsrl_cli.verify import VerifyOptions, run_verify
+        from tsrl_cli.verify import VerifyOptions, learner_settings, run_verify
 
         opts = VerifyOptions(model=model, rollouts=rollouts, objective=objective, teacher=teacher, loss=loss,
                              dtype=dtype, order=order, seed=seed, groups=groups, group_size=group_size,
                              queued=queued, max_microbatch_tokens=max_microbatch_tokens, learners=learner_devices,
-                             save_grads=save_grads)
+                             save_grads=save_grads, learner=learner_settings(set_ or []))
         res = run_verify(opts, progress=progress_printer(not json_out))
     if json_out:
         typer.echo(json.dumps(res))
@@ -107,6 +108,10 @@ def _render(console, res: dict) -> None:
     where = f" on {res['learner_ranks']} ranks" if res["learner_ranks"] > 1 else ""
     t.add_row("stream", f"{res['num_items']} arrivals, {res['microbatches']} micro-batch(es), "
               f"{res['stream_backwards']} backward(s){where}; buffers {res['buffer_dtype']} on {res['buffer_device']}")
+    learner = [k for k, on in (("activation checkpointing", res["activation_checkpointing"]),
+                               (f"logits in chunks of {res['logits_chunk_tokens']}", res["logits_chunk_tokens"])) if on]
+    if learner:
+        t.add_row("stream learner", ", ".join(learner) + " (the lazy side: plain)")
     t.add_row("max |lazy - stream|", f"{res['max_abs_diff']:.3e}  (max |grad| {res['max_abs_grad']:.3e})")
     t.add_row("relative difference", f"{res['max_rel_diff']:.3e}  (tolerance {res['tolerance']:.0e})")
     t.add_row("worst parameter", f"{res['worst_param']}: relative {res['worst_param_rel_diff']:.3e}, "

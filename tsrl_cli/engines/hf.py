@@ -82,7 +82,9 @@ class HFEngine:
             attn[i, T - len(r.context_ids):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        # logits at the last position only: the prefill's other (B, T, V) logits would be unused (at B = 16 rows of
+        # 32,768 tokens of Qwen3, 148 GiB in bf16; tsrl plan)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1]
         gens = [torch.Generator().manual_seed(r.params.seed) for r in requests]
         toks: list[list[int]] = [[] for _ in range(B)]

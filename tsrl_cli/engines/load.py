@@ -3,7 +3,7 @@ and replicas, `tsrl serve`, `tsrl eval`, `tsrl policy probe`, the trainer's held
 
     open_engine(model, kind, devices, dtype) -> (engine, device)  a policy folder or hub id, on its devices
     engine_on_model(model, tokenizer)        -> HFEngine          a model already in memory, where it is
-    open_client(servers, timeout_s, log)     -> OpenAIEngine      remote OpenAI-compatible servers
+    open_client(servers, timeout_s, log, api_key) -> OpenAIEngine remote OpenAI-compatible servers
     engine_config(engine)                    -> dict              what an evaluation records of its engine
 
 The callers choose the devices (devices.engine_device for one, rollout_replicas for train); dtype auto
@@ -87,7 +87,7 @@ def engine_config(engine) -> dict:
 
 
 def open_client(servers: list[str] | tuple[str, ...], *, timeout_s: float = 600.0,
-                log: Callable[[str], None] = print) -> OpenAIEngine:
+                log: Callable[[str], None] = print, api_key: str | None = None) -> OpenAIEngine:
     """The openai engine: turns from remote OpenAI-compatible servers (`tsrl serve`, `vllm serve`),
-    least-loaded with failover (engines/openai.py)."""
-    return OpenAIEngine(list(servers), timeout_s=timeout_s, log=log)
+    least-loaded with failover (engines/openai.py), sending `api_key` on every request."""
+    return OpenAIEngine(list(servers), timeout_s=timeout_s, log=log, api_key=api_key)

@@ -9,8 +9,10 @@ tokens' log-probs (`logprobs: 0`).
 Failover: a server that refuses the connection, answers 5xx or times out is marked dead (one line to
 `log`) and the request is re-sent to another live one. Requests carry their seed, so the answer is the
 same wherever it is computed (for servers on the same weights). A 4xx is the request's fault and is
-raised at once. When no server is left, the error names every URL and its cause. Dead servers stay
-dead for the engine's lifetime.
+raised at once (a 401, Unauthorized, says which key setting to fix). When no server is left, the error
+names every URL and its cause. Dead servers stay dead for the engine's lifetime.
+
+Every request carries `Authorization: Bearer KEY` when the engine has an API key (engines/auth.py).
 
 Weights: join_bus() asks each server to join the run's weight bus (rl/weightbus.py) and sync() has
 every live server take one sync; the learner's bus.send runs alongside (the servers block until it does).
@@ -27,6 +29,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from tsrl_cli.engines.auth import API_KEY_ENV
 from tsrl_cli.engines.base import TurnOutput, TurnRequest
 from tsrl_cli.errors import OperationFailed, UsageError
 
@@ -39,6 +42,10 @@ class ServerDown(Exception):
     """The server is unreachable or failing (connection refused, timeout, 5xx, a reply that is not JSON)."""
 
 
+class Unauthorized(OperationFailed):
+    """HTTP 401: the server wants an API key that this client did not send, or another one."""
+
+
 def _error_text(e: urllib.error.HTTPError) -> str:
     """The server's message from an error reply (OpenAI/vLLM {"error": {"message"}}, older vLLM {"message"})."""
     try:
@@ -49,17 +56,24 @@ def _error_text(e: urllib.error.HTTPError) -> str:
         return e.reason or ""
 
 
-def http_json(url: str, body: dict | None = None, timeout_s: float = 600.0) -> dict:
-    """GET (body None) or POST JSON; the reply's JSON. Raises ServerDown, or OperationFailed on a 4xx."""
+def http_json(url: str, body: dict | None = None, timeout_s: float = 600.0, api_key: str | None = None) -> dict:
+    """GET (body None) or POST JSON, with `Authorization: Bearer api_key` when given; the reply's JSON.
+    Raises ServerDown, Unauthorized on a 401, or OperationFailed on another 4xx."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if body is None else "POST")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
     try:
         with _OPENER.open(req, timeout=timeout_s) as r:
             raw = r.read()
     except urllib.error.HTTPError as e:
         if e.code >= 500:
             raise ServerDown(f"HTTP {e.code}: {_error_text(e)}") from None
+        if e.code == 401:
+            raise Unauthorized(f"{url}: HTTP 401 ({'the server refused our API key' if api_key else 'no API key sent'})"
+                               f"; set rollout.server_api_key or {API_KEY_ENV} to the key the server was started "
+                               "with") from None
         raise OperationFailed(f"{url}: HTTP {e.code}: {_error_text(e)}") from None
     except TimeoutError:
         raise ServerDown(f"no answer within {timeout_s:g} s") from None
@@ -105,22 +119,27 @@ class OpenAIEngine:
         timeout_s: per HTTP request (connect and each read); a server that exceeds it is marked dead.
         log: one line per server marked dead.
         model: the `model` field to send (default: each server's first entry of /v1/models).
+        api_key: sent as `Authorization: Bearer KEY` on every request (weight endpoints included);
+            engines/auth.py client_api_key resolves it from rollout.server_api_key or TSRL_API_KEY.
         max_in_flight: HTTP requests at once (its own thread pool: asyncio's default executor stops at
             min(32, CPUs + 4) threads, fewer than a round's concurrent sessions).
     """
 
     def __init__(self, servers: list[str], timeout_s: float = 600.0, log: Callable[[str], None] = print,
-                 model: str | None = None, max_in_flight: int = 256):
+                 model: str | None = None, max_in_flight: int = 256, api_key: str | None = None):
         if not servers:
             raise UsageError("the openai engine needs at least one server URL")
         self.servers = [s.rstrip("/").removesuffix("/v1") for s in servers]
-        self.timeout_s, self.log, self.model = timeout_s, log, model
+        self.timeout_s, self.log, self.model, self.api_key = timeout_s, log, model, api_key
         self.inflight = [0] * len(self.servers)
         self.served = [0] * len(self.servers)  # answered per server (the load spread, for metrics and tests)
         self.dead: dict[str, str] = {}  # url -> cause
         self._models: dict[str, str] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix="tsrl-openai")
+
+    def _http(self, url: str, body: dict | None = None) -> dict:
+        return http_json(url, body, self.timeout_s, api_key=self.api_key)
 
     # ---- routing and failover
     def _acquire(self) -> int:
@@ -146,7 +165,7 @@ class OpenAIEngine:
         if self.model is not None:
             return self.model
         if url not in self._models:
-            data = http_json(f"{url}/v1/models", timeout_s=self.timeout_s).get("data") or []
+            data = self._http(f"{url}/v1/models").get("data") or []
             if not data or "id" not in data[0]:
                 raise ServerDown("/v1/models lists no model")
             self._models[url] = data[0]["id"]
@@ -159,7 +178,7 @@ class OpenAIEngine:
                 "stop_token_ids": list(p.stop_token_ids), "n": 1, "stream": False,
                 "logprobs": 0,  # vLLM: 0 = only the sampled token's log-prob
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
-        reply = http_json(f"{url}/v1/completions", body, self.timeout_s)
+        reply = self._http(f"{url}/v1/completions", body)
         try:
             choice = reply["choices"][0]
         except (KeyError, IndexError, TypeError):
@@ -192,20 +211,20 @@ class OpenAIEngine:
             body = {"host": host, "port": int(port), "rank": first_rank + i, "world": world, "backend": backend,
                     "epoch": epoch}
             try:
-                http_json(f"{url}/tsrl/weights/join", body, self.timeout_s)
+                self._http(f"{url}/tsrl/weights/join", body)
             except ServerDown as e:
                 raise OperationFailed(f"{url}: cannot join the weight bus ({e})") from None
 
     def weights_status(self) -> list[dict]:
         """GET /tsrl/weights/status of every server (joined, joining, error, policy_version)."""
-        return [http_json(f"{url}/tsrl/weights/status", timeout_s=self.timeout_s) for url in self.servers]
+        return [self._http(f"{url}/tsrl/weights/status") for url in self.servers]
 
     def sync(self) -> list[dict]:
         """Every live server takes one sync, concurrently; their replies {"version","start","end","bytes",...}
         in server order. Blocks until the learner has sent; a server that fails is marked dead and raises."""
         live = [u for u in self.servers if u not in self.dead]
         with ThreadPoolExecutor(max(1, len(live)), thread_name_prefix="tsrl-openai-sync") as ex:
-            futs = [ex.submit(http_json, f"{u}/tsrl/weights/sync", {}, self.timeout_s) for u in live]
+            futs = [ex.submit(self._http, f"{u}/tsrl/weights/sync", {}) for u in live]
             replies, failed = [], []
             for u, f in zip(live, futs):
                 try:

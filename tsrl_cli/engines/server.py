@@ -1,7 +1,8 @@
-"""`tsrl serve`: an OpenAI-compatible completions server over any PolicyEngine, plus weight-bus endpoints.
+"""`tsrl serve`: an OpenAI-compatible server over any PolicyEngine, plus weight-bus endpoints.
 
     POST /v1/completions      vLLM's token-id subset (prompt = token ids); replies with token ids,
                               log-probs and our `policy_version`
+    POST /v1/chat/completions OpenAI chat (non-streaming), rendered in the served model's chat format
     GET  /health, /v1/models  readiness; the served model name
     POST /tsrl/weights/join   {"host","port","rank","world","backend"}: join the weight bus (background)
     GET  /tsrl/weights/status {"joined","joining","error",...}
@@ -13,6 +14,13 @@ batched engine calls. A sync takes the weights lock when its first bucket arrive
 the new version is set: a batch runs wholly on the old weights or wholly on the new ones. The weight
 bus lives in tsrl_cli/rl (which imports the engines), so the server is handed its join function
 (`join_bus`, e.g. WeightBus.join) instead of importing it; without one the weight endpoints answer 501.
+The chat format comes the same way (`chat`, an api.ChatFormat; the agent's renderer for tsrl serve).
+
+Who may ask (engines/auth.py): with `api_key`, every endpoint but GET /health needs `Authorization:
+Bearer KEY` (401 otherwise, before the body is read); without one the server listens on loopback
+only, unless `insecure`. A body is read by its Content-Length, never beyond it and never beyond
+`max_body_bytes` (413); a body that stops arriving is dropped after `read_timeout_s` (408). Every
+reply closes its connection (HTTP/1.0), so unread bytes are never taken for a next request.
 
 Library use: `serve(engine, host, port, model_name)` blocks; `start_server(engine)` runs in a
 background thread and returns the server (`.url`, `.shutdown()`).
@@ -23,122 +31,27 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import secrets
+import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from tsrl_cli.devices import engine_device
-from tsrl_cli.engines.base import SamplingParams, TurnBatcher, TurnOutput, TurnRequest, apply_sync
+from tsrl_cli.engines.api import (
+    ApiError,
+    ChatFormat,
+    chat_reply,
+    completion_reply,
+    int_field,
+    parse_chat,
+    parse_completion,
+)
+from tsrl_cli.engines.auth import MAX_BODY_MB, bearer_ok, check_api_key, check_listen, key_digest
+from tsrl_cli.engines.base import TurnBatcher, TurnOutput, TurnRequest, apply_sync
 from tsrl_cli.engines.load import ENGINE_DTYPES, ENGINES, open_engine
 from tsrl_cli.errors import UsageError
-
-SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound (a torch long)
-
-
-class ApiError(Exception):
-    """An error reply: HTTP `status` (400: a bad request, whose `param` names the field)."""
-
-    def __init__(self, param: str | None, message: str, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-# ---- request parsing ----------------------------------------------------------------------------
-
-def _int(body: dict, key: str, default, lo: int | None = None):
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(key, f"{key}: expected an integer, got {v!r}")
-    if lo is not None and v < lo:
-        raise ApiError(key, f"{key}: must be >= {lo}, got {v}")
-    return v
-
-
-def _float(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ApiError(key, f"{key}: expected a number, got {v!r}")
-    if not (lo < v <= hi if lo_open else lo <= v <= hi):
-        raise ApiError(key, f"{key}: {v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
-    return float(v)
-
-
-def _token_ids(v, key: str) -> list[int]:
-    if not isinstance(v, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in v):
-        raise ApiError(key, f"{key}: expected a list of token ids (non-negative integers)")
-    return v
-
-
-def parse_completion(body) -> tuple[TurnRequest, dict]:
-    """A /v1/completions body -> (TurnRequest, reply options). Raises ApiError naming the field."""
-    if not isinstance(body, dict):
-        raise ApiError(None, "request body: expected a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
-        raise ApiError("prompt", "prompt: text prompts are not accepted; send token ids (this server does not "
-                                   "tokenize)")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):  # [[ids]]: a batch of one
-        if len(prompt) != 1:
-            raise ApiError("prompt", f"prompt: {len(prompt)} prompts in one request; send one per request")
-        prompt = prompt[0]
-    prompt = _token_ids(prompt, "prompt")
-    if not prompt:
-        raise ApiError("prompt", "prompt: empty; a completion needs at least one context token")
-    if _int(body, "n", 1, lo=1) != 1:
-        raise ApiError("n", "n: only n=1 is served; send one request per sample (each with its own seed)")
-    for flag in ("stream", "echo", "use_beam_search"):
-        if body.get(flag):
-            raise ApiError(flag, f"{flag}: not supported by tsrl serve")
-    seed = _int(body, "seed", None)
-    if seed is None:
-        seed = secrets.randbits(63)  # OpenAI semantics: no seed, a fresh sample each time
-    elif not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise ApiError("seed", f"seed: {seed} does not fit in 64 bits")
-    params = SamplingParams(
-        temperature=_float(body, "temperature", 1.0, 0.0, 1e6),
-        top_p=_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        max_tokens=_int(body, "max_tokens", 16, lo=1),  # 16: the OpenAI and vLLM default
-        stop_token_ids=tuple(_token_ids(body.get("stop_token_ids") or [], "stop_token_ids")),
-        seed=seed,
-    )
-    logprobs = _int(body, "logprobs", None, lo=0)
-    rti = body.get("return_token_ids")
-    if rti is not None and not isinstance(rti, bool):
-        raise ApiError("return_token_ids", f"return_token_ids: expected true or false, got {rti!r}")
-    return TurnRequest(prompt, params), {"logprobs": logprobs, "return_token_ids": bool(rti),
-                                         "model": body.get("model")}
-
-
-def completion_reply(out: TurnOutput, prompt_ids: list[int], model_name: str, opts: dict) -> dict:
-    """The OpenAI completions shape (vLLM's token-id fields) for one TurnOutput.
-
-    `text` is empty (the server holds no tokenizer); `tokens` are "token_id:N" as vLLM writes them with
-    return_tokens_as_token_ids. Only the sampled token's log-prob is reported: top_logprobs is null
-    whatever `logprobs` asked for.
-    """
-    n, prompt_len = len(out.token_ids), len(prompt_ids)
-    choice = {"index": 0, "text": "", "finish_reason": out.finish_reason,
-              "stop_reason": out.token_ids[-1] if out.finish_reason == "stop" and out.token_ids else None,
-              "logprobs": None}
-    if opts["return_token_ids"]:
-        choice["token_ids"] = list(out.token_ids)
-        choice["prompt_token_ids"] = list(prompt_ids)
-    if opts["logprobs"] is not None:
-        choice["logprobs"] = {"text_offset": [0] * n, "token_logprobs": list(out.logprobs),
-                              "tokens": [f"token_id:{t}" for t in out.token_ids], "top_logprobs": None}
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n},
-            "policy_version": out.policy_version}
-
 
 # ---- the server ---------------------------------------------------------------------------------
 
@@ -157,11 +70,21 @@ class _Guarded:
 
 class RolloutServer:
     """An HTTP server over one engine. `join_bus(host=, port=, rank=, world=, backend=)` forms the weight
-    bus (e.g. functools.partial(WeightBus.join, device=...)); None disables the weight endpoints."""
+    bus (e.g. functools.partial(WeightBus.join, device=...)); None disables the weight endpoints.
+    `chat` (a ChatFormat) enables /v1/chat/completions. `api_key`, `insecure`, `max_body_bytes` and
+    `read_timeout_s` decide who may ask and how much is read (the module's docstring)."""
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tsrl",
-                 join_bus: Callable | None = None, max_batch: int = 8):
-        self.engine, self.model_name, self.join_fn = engine, model_name, join_bus
+                 join_bus: Callable | None = None, max_batch: int = 8, *, api_key: str | None = None,
+                 insecure: bool = False, chat: ChatFormat | None = None, max_body_bytes: int = MAX_BODY_MB << 20,
+                 read_timeout_s: float = 60.0):
+        self.engine, self.model_name, self.join_fn, self.chat = engine, model_name, join_bus, chat
+        if max_body_bytes < 1:
+            raise UsageError(f"--max-body-mb: must be positive, got {max_body_bytes} bytes")
+        check_listen(host, api_key, insecure)
+        # only the key's digest is kept: bearer_ok compares digests (engines/auth.py)
+        self.key_digest = key_digest(check_api_key(api_key, "--api-key")) if api_key else None
+        self.max_body_bytes, self.read_timeout_s = max_body_bytes, read_timeout_s
         try:
             self.httpd = ThreadingHTTPServer((host, port), _Handler)
         except OSError as e:
@@ -220,6 +143,17 @@ class RolloutServer:
     # -- completions
     def complete(self, body) -> dict:
         request, opts = parse_completion(body)
+        return completion_reply(self._generate(request, opts), request.context_ids, self.model_name, opts)
+
+    def chat_complete(self, body) -> dict:
+        if self.chat is None:
+            raise ApiError(None, "this server has no chat format (its policy's tokenizer is not ChatML); use "
+                                 "/v1/completions with token ids", status=501)
+        request, opts = parse_chat(body, self.chat)
+        return chat_reply(self._generate(request, opts), request.context_ids, self.model_name, opts, self.chat)
+
+    def _generate(self, request: TurnRequest, opts: dict) -> TurnOutput:
+        """One turn through the batcher; 404 for another model's name, 503 while broken or shutting down."""
         if opts["model"] not in (None, self.model_name):
             raise ApiError("model", f"model: {opts['model']!r} is not served here (this server serves "
                                       f"{self.model_name!r})", status=404)
@@ -241,7 +175,7 @@ class RolloutServer:
         finally:
             with self._state:
                 self._inflight.discard(fut)
-        return completion_reply(out, request.context_ids, self.model_name, opts)
+        return out
 
     # -- weights
     def join(self, body) -> dict:
@@ -249,9 +183,10 @@ class RolloutServer:
             raise ApiError(None, "this server has no weight bus (start it with tsrl serve, or pass join_bus=)", 501)
         if not isinstance(body, dict):
             raise ApiError(None, "request body: expected a JSON object")
-        args = {"host": body.get("host"), "port": _int(body, "port", None, lo=1), "rank": _int(body, "rank", None, lo=1),
-                "world": _int(body, "world", None, lo=2), "backend": body.get("backend", "gloo"),
-                "epoch": _int(body, "epoch", 0, lo=0)}
+        args = {"host": body.get("host"), "port": int_field(body, "port", None, lo=1),
+                "rank": int_field(body, "rank", None, lo=1), "world": int_field(body, "world", None, lo=2),
+                "backend": body.get("backend", "gloo"),
+                "epoch": int_field(body, "epoch", 0, lo=0)}
         for k, v in args.items():
             if v is None:
                 raise ApiError(k, f"{k}: missing")
@@ -315,32 +250,65 @@ class RolloutServer:
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "tsrl-serve"
+    LINGER_S = 2.0  # after an error reply: how long the bytes the client still sends are read and dropped
+
+    def setup(self) -> None:
+        self.timeout = self.server.app.read_timeout_s  # every socket read: request line, headers, body
+        super().setup()
 
     def log_message(self, format, *args) -> None:  # quiet: a line per request is noise
         pass
 
-    def _send(self, status: int, obj) -> None:
+    def _send(self, status: int, obj, headers: tuple[tuple[str, str], ...] = ()) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
     def _error(self, e: ApiError) -> None:
-        kind = {400: "ApiErrorError", 404: "NotFoundError", 409: "ConflictError", 501: "NotImplementedError",
-                503: "ServiceUnavailableError"}.get(e.status, "InternalServerError")
-        self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status}})
+        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
+                409: "ConflictError", 411: "LengthRequiredError", 413: "RequestTooLargeError",
+                501: "NotImplementedError", 503: "ServiceUnavailableError"}.get(e.status, "InternalServerError")
+        self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status}},
+                   (("WWW-Authenticate", "Bearer"),) if e.status == 401 else ())
+
+    def _length(self) -> int | None:
+        """The body's length as Content-Length declares it (0 when absent); None when it declares none
+        that can be read: a chunked body, or a Content-Length that is not a byte count."""
+        raw = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") or (raw is not None and not raw.strip().isdigit()):
+            return None
+        return int(raw or 0)
 
     def _body(self):
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
+        """The request's JSON body: exactly Content-Length bytes (the handler checked them against the cap)."""
+        n, self._unread = self._unread, 0
+        raw = self.rfile.read(n) if n else b""  # never more than declared, whatever the client sends after
+        if len(raw) < n:
+            raise ApiError(None, f"request body: the connection ended after {len(raw)} of {n} declared bytes")
         if not raw:
             return {}
         try:
             return json.loads(raw)
         except ValueError as e:
             raise ApiError(None, f"request body: not valid JSON ({e})") from None
+
+    def _linger(self) -> None:
+        """After an error reply: end our side, then drop what the client still sends (at most about
+        LINGER_S), so that closing does not reset the connection before the client has read the reply."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(self.LINGER_S)
+            end = time.monotonic() + self.LINGER_S
+            while time.monotonic() < end and self.rfile.read1(1 << 16):
+                pass
+        except OSError:  # reset, or the client sent nothing more within LINGER_S
+            pass
 
     def _route(self, method: str) -> None:
         app: RolloutServer = self.server.app
@@ -350,17 +318,40 @@ class _Handler(BaseHTTPRequestHandler):
             ("GET", "/v1/models"): lambda: {"object": "list", "data": [
                 {"id": app.model_name, "object": "model", "created": 0, "owned_by": "tsrl"}]},
             ("POST", "/v1/completions"): lambda: app.complete(self._body()),
+            ("POST", "/v1/chat/completions"): lambda: app.chat_complete(self._body()),
             ("POST", "/tsrl/weights/join"): lambda: app.join(self._body()),
             ("GET", "/tsrl/weights/status"): lambda: app.status(),
             ("POST", "/tsrl/weights/sync"): lambda: app.sync(),
         }
+        n = self._length()
+        self._unread = n or 0
         try:
+            # the key first, unknown paths included: a request without it learns nothing and reads nothing
+            if app.key_digest is not None and (method, path) != ("GET", "/health") and \
+                    not bearer_ok(self.headers.get("Authorization"), app.key_digest):
+                raise ApiError(None, "missing or wrong API key: send `Authorization: Bearer KEY` with the key "
+                                     "this server was started with (--api-key or TSRL_API_KEY)", status=401)
+            if n is None:
+                raise ApiError(None, "request body: send it with a Content-Length (byte count); chunked bodies "
+                                     "are not read", status=411)
+            if n > app.max_body_bytes:
+                raise ApiError(None, f"request body: {n} bytes is over this server's cap of {app.max_body_bytes} "
+                                     "(tsrl serve --max-body-mb)", status=413)
             if (method, path) not in routes:
                 raise ApiError(None, f"{method} {path}: no such endpoint", status=404)
             self._send(200, routes[(method, path)]())
         except ApiError as e:
-            self._error(e)
+            self._reply_error(e)
+        except TimeoutError:  # the declared body stopped arriving
+            self._reply_error(ApiError(None, f"request body: nothing arrived for {app.read_timeout_s:g} s", 408))
         except (BrokenPipeError, ConnectionResetError):  # the client went away
+            pass
+
+    def _reply_error(self, e: ApiError) -> None:
+        try:
+            self._error(e)
+            self._linger()
+        except OSError:  # the client went away
             pass
 
     def do_GET(self) -> None:
@@ -372,10 +363,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 # ---- entry points -------------------------------------------------------------------------------
 
-def start_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tsrl",
-                 join_bus: Callable | None = None, max_batch: int = 8) -> RolloutServer:
-    """A RolloutServer answering from a background thread (port 0: the OS picks one; see `.url`)."""
-    srv = RolloutServer(engine, host, port, model_name, join_bus=join_bus, max_batch=max_batch)
+def start_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tsrl", **options) -> RolloutServer:
+    """A RolloutServer answering from a background thread (port 0: the OS picks one; see `.url`).
+    `options`: RolloutServer's (join_bus, max_batch, api_key, insecure, chat, max_body_bytes, read_timeout_s)."""
+    srv = RolloutServer(engine, host, port, model_name, **options)
     srv._serving = True  # before the thread starts: a shutdown() right away must still stop it
     threading.Thread(target=srv.httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="tsrl-serve",
                      daemon=True).start()
@@ -383,9 +374,10 @@ def start_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str
 
 
 def serve(engine, host: str, port: int, model_name: str, ready_cb: Callable[[str], None] | None = None,
-          join_bus: Callable | None = None, max_batch: int = 8) -> None:
-    """Serve `engine` until interrupted (Ctrl-C) or shut down; ready_cb(url) once it accepts requests."""
-    srv = RolloutServer(engine, host, port, model_name, join_bus=join_bus, max_batch=max_batch)
+          **options) -> None:
+    """Serve `engine` until interrupted (Ctrl-C) or shut down; ready_cb(url) once it accepts requests.
+    `options`: as start_server's."""
+    srv = RolloutServer(engine, host, port, model_name, **options)
     try:
         if ready_cb is not None:
             ready_cb(srv.url)

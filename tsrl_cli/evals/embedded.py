@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tsrl_cli.agent.loop import AgentLimits
-from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.datasets.store import Dataset, open_dataset, prepare_hint
 from tsrl_cli.devices import engine_device
 from tsrl_cli.engines.load import engine_config, engine_on_model, open_engine
@@ -121,6 +121,8 @@ def evaluate_embedded(
     concurrency: int = 16,
     max_batch: int = 16,
     progress: Callable[[str], None] | None = None,
+    chat_template: str = "auto",
+    thinking: bool = False,
 ) -> dict:
     """Run the agent on held-out embedded tasks; returns the summary (see module docstring).
 
@@ -133,10 +135,11 @@ def evaluate_embedded(
         temperature: 0 = greedy (the default for evaluation).
         out_dir: when given, records.jsonl, config.json and summary.json go there, and finished
             trajectories are not run again.
+        chat_template, thinking: the chat format (model.chat_template, rollout.thinking: a training run's).
     """
     loaded = [d if isinstance(d, Dataset) else open_dataset(d, limit) for d in datasets]
     jobs = make_jobs(loaded, samples, seeds)
-    ChatMLRenderer(tokenizer)  # a tokenizer the agent cannot use fails before out_dir is written
+    make_renderer(tokenizer, chat_template, thinking)  # a tokenizer the agent cannot use fails before out_dir is written
     was_training = getattr(model, "training", False)
     if engine is None:
         engine = engine_on_model(model, tokenizer)  # the hf engine puts the model in eval mode
@@ -147,7 +150,8 @@ def evaluate_embedded(
         log = open_out_dir(out_dir, config) if out_dir is not None else None
         records = run_jobs(engine, tokenizer, jobs, make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
                            collect_patch=local_patch, temperature=temperature, limits=limits, concurrency=concurrency,
-                           max_batch=max_batch, log=log, progress=progress)
+                           max_batch=max_batch, log=log, progress=progress, chat_template=chat_template,
+                           thinking=thinking)
     finally:
         if was_training:
             model.train()

@@ -24,13 +24,14 @@ import os
 import shutil
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tsrl_cli.agent.loop import AgentLimits, run_agent
-from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.datasets.store import Dataset
 from tsrl_cli.engines.base import SamplingParams, TurnBatcher
 from tsrl_cli.errors import UsageError
@@ -133,11 +134,12 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
 
 
 def chatml_tokenizer(model: str):
-    """The tokenizer of a policy directory or hub id, checked for ChatML: called before any output is
-    written, so a policy the agent cannot talk to fails first. The engine itself comes from
+    """The tokenizer of a policy directory or hub id, checked that the agent can talk to it (its own chat
+    template when that declares tools, else ChatML: agent/template.py make_renderer's auto): called before
+    any output is written, so a policy the agent cannot talk to fails first. The engine itself comes from
     engines/load.py open_engine."""
     tok = load_tokenizer(model)
-    ChatMLRenderer(tok)
+    make_renderer(tok)
     return tok
 
 
@@ -166,6 +168,8 @@ def run_jobs(
     log: RecordLog | None = None,
     progress: Callable[[str], None] | None = None,
     agent: str = "policy",
+    chat_template: str = "auto",
+    thinking: bool = False,
 ) -> list[dict]:
     """Run every job that has no record yet; return the records of all `jobs`, in job order.
 
@@ -173,6 +177,9 @@ def run_jobs(
     `agent`: "policy" (the engine plays), or the controls Harbor names: "oracle" (the env's
     `play_oracle()`: the task's reference solution) and "nop" (nothing); engine and tokenizer may be
     None for those. The reward and the patch come from the same env code in every case.
+    `chat_template`, `thinking`: the chat format (agent/template.py make_renderer); each policy record holds
+    its label as `chat_format` and its `tool_call_errors` (turns whose call could not run), and records
+    of another format in `log` are refused rather than mixed in (records without one are ChatML's).
     An environment that cannot start with a UsageError (no isolation, no image) stops the run.
     Any other environment failure is recorded with `error: true` and is retried on resume.
     """
@@ -182,7 +189,12 @@ def run_jobs(
     if agent not in AGENTS:
         raise UsageError(f"--agent {agent!r}: use one of {', '.join(AGENTS)}")
     limits_for = limits if callable(limits) else (lambda job: limits)
-    renderer = ChatMLRenderer(tokenizer) if agent == "policy" else None
+    renderer = make_renderer(tokenizer, chat_template, thinking) if agent == "policy" else None
+    made = {r.get("chat_format", "chatml") for r in previous.values()  # a record older than the key is ChatML's
+            if not r.get("error") and r.get("exit_reason") not in ("oracle", "nop")} - {None}
+    if renderer is not None and made - {renderer.label}:
+        raise UsageError(f"{log.path.parent} holds records made in chat format {min(made - {renderer.label})}, "
+                         f"now {renderer.label}; pass another --out, or delete that folder to start over")
 
     def report() -> None:
         if progress is None:
@@ -200,7 +212,8 @@ def run_jobs(
             t0 = time.monotonic()
             env = make_env(job)
             rec = {"dataset": job.dataset, "instance_id": job.task.task_id, "sample": job.sample, "seed": job.seed,
-                   "kind": job.task.kind, "patch": None, "error": False}
+                   "kind": job.task.kind, "patch": None, "error": False,
+                   "chat_format": renderer.label if renderer is not None else None}
             try:
                 await env.start()
                 if agent == "policy":
@@ -212,12 +225,15 @@ def run_jobs(
                     reward, exit_reason = res.reward, res.exit_reason
                     played = {"turns": res.num_turns, "tokens": len(res.rollout.input_ids),
                               "loss_tokens": sum(res.rollout.loss_mask),
-                              "tool_s": round(sum(e["duration_s"] for e in res.events if e["event"] == "tool"), 3)}
+                              "tool_s": round(sum(e["duration_s"] for e in res.events if e["event"] == "tool"), 3),
+                              "tool_call_errors": len(res.tool_call_errors),
+                              "tool_call_error_kinds": dict(Counter(res.tool_call_errors))}
                 else:  # a control: the reference solution or nothing, scored by the same env code
                     c0 = time.monotonic()
                     if agent == "oracle":
                         await env.play_oracle()
-                    played = {"turns": 0, "tokens": 0, "loss_tokens": 0, "tool_s": round(time.monotonic() - c0, 3)}
+                    played = {"turns": 0, "tokens": 0, "loss_tokens": 0, "tool_s": round(time.monotonic() - c0, 3),
+                              "tool_call_errors": 0, "tool_call_error_kinds": {}}
                     reward, exit_reason = await env.reward(), agent
                 if collect_patch is not None:
                     rec["patch"] = await collect_patch(env, job)
@@ -275,6 +291,7 @@ def _part(recs: list[dict]) -> dict:
         "mean_reward": round(sum(rewards) / len(rewards), 6) if rewards else None,
         "mean_turns": round(sum(r.get("turns", 0) for r in recs) / len(recs), 3) if recs else None,
         "mean_tokens": round(sum(r.get("tokens", 0) for r in recs) / len(recs), 1) if recs else None,
+        "tool_call_errors": sum(r.get("tool_call_errors", 0) for r in recs),
         "errors": sum(bool(r.get("error")) for r in recs),
         "ungraded": sum(r.get("resolved") is None and not r.get("error") for r in recs),
         "exit_reasons": dict(sorted(reasons.items())),

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_atomic
-from tsrl_cli.report import plots, tables
+from tsrl_cli.report import bias, plots, tables
 from tsrl_cli.report.aggregate import LAST_ROUND, WARMUP_ROUNDS
 from tsrl_cli.report.load import Results, Run, load_results, numeric
 from tsrl_cli.report.tables import Table, records, to_csv
@@ -97,6 +97,10 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
         tables.step_time_table(res, w, last), tables.idle_table(res, w, last), tables.memory_table(res, last),
         tables.target_table(res, opts.target_reward, opts.reward_key),
         tables.budget_table(res, opts.budget_device_s, opts.reward_key), tables.prediction_table(pred, paired))}
+    if tables.certified(res):  # runs with run.verify_every: the exactness certificate's table
+        t["certificate"] = tables.certificate_table(res, last)
+    progress("what each schedule trains on")
+    t["trained_vs_sampled"], bias_tasks, bias_fig = bias.bias_table(res, last)
     written = {"tables": [], "figures": []}
     for tb in t.values():
         write_atomic(out / "tables" / f"{tb.name}.csv", to_csv(tb.frame))
@@ -104,6 +108,7 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
         written["tables"].append(str(out / "tables" / f"{tb.name}.csv"))
     write_atomic(out / "tables" / "predicted_vs_measured_rows.csv", to_csv(pred))
     write_atomic(out / "tables" / "predicted_speedup_rows.csv", to_csv(paired))
+    write_atomic(out / "tables" / "trained_vs_sampled_tasks.csv", to_csv(bias_tasks))
 
     spread, spread_note = tables.spread_rows(runs, t["step_time"], pred, opts.spread_key)
     gantt, gantt_what = tables.gantt_rows(runs, w)
@@ -117,6 +122,8 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
         ("reward_vs_device_s", tables.budget_curve_rows(res, t["reward_at_budget"], opts.reward_key),
          plots.reward_vs_device_s, 1, f"no budget group of two arms or more with `{opts.reward_key}` and devices"),
         ("memory", t["memory"].frame, plots.memory_bars, 1, "no run has peak_mem_learner_bytes"),
+        ("trained_vs_sampled", bias_fig, plots.trained_vs_sampled, (bias_fig["schedule"].nunique(), 3),
+         "no run has learner rows or a sampled tally in events.jsonl"),
     ]
     fig_md = []
     for name, frame, draw, n_axes, why in figures:
@@ -148,12 +155,16 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
 # ---------------------------------------------------------------------------- writing
 
 
-def _figure(folder: Path, name: str, frame, draw, n_axes: int) -> None:
+def _figure(folder: Path, name: str, frame, draw, n_axes: int | tuple[int, int]) -> None:
     from matplotlib.figure import Figure  # no pyplot: an Agg canvas, no display, no global state
 
-    height = 4.0 if n_axes == 1 else min(12.0, 2.0 + 0.18 * len(frame))
-    fig = Figure(figsize=(7.0, height), dpi=110, layout="constrained")
-    axes = fig.subplots(n_axes, 1, sharex=True) if n_axes > 1 else fig.subplots()
+    if isinstance(n_axes, tuple):  # a grid (rows, columns), e.g. one row of panels per schedule
+        fig = Figure(figsize=(7.0, 1.0 + 2.2 * n_axes[0]), dpi=110, layout="constrained")
+        axes = fig.subplots(*n_axes, squeeze=False)
+    else:
+        height = 4.0 if n_axes == 1 else min(12.0, 2.0 + 0.18 * len(frame))
+        fig = Figure(figsize=(7.0, height), dpi=110, layout="constrained")
+        axes = fig.subplots(n_axes, 1, sharex=True) if n_axes > 1 else fig.subplots()
     draw(records(frame), axes)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -168,3 +168,43 @@ def prediction_residuals(rows: list[dict], axes, spread_key: str) -> None:
         ax.set_xlabel(label)
     axes[0].set_ylabel("predicted - measured stream step (% of measured)")
     axes[0].legend(fontsize=7)
+
+
+def trained_vs_sampled(rows: list[dict], axes) -> None:
+    """One row of panels per schedule (report/bias.py figure_rows): tokens per trajectory, model turns per
+    trajectory and staleness, as the share of trajectories in each bin (turns and staleness: one bar per
+    value); trained filled in the schedule's colour, sampled as a black outline (absent where the runs did
+    not record its distribution), the means as vertical lines (sampled dashed, trained dotted)."""
+    schedules = list(dict.fromkeys(r["schedule"] for r in rows))
+    for ax_row, sched in zip(axes, schedules):
+        color = SCHEDULE_COLOR.get(sched, "tab:gray")
+        for ax, q in zip(ax_row, ("tokens", "turns", "staleness")):
+            rs = [r for r in rows if r["schedule"] == sched and r["quantity"] == q]
+            trained = [r for r in rs if r["set"] == "trained" and r["kind"] == "bin"]
+            sampled = [r for r in rs if r["set"] == "sampled" and r["kind"] == "bin"]
+            whole = q != "tokens"  # whole numbers: bars centred on each value
+            if trained:
+                ax.bar([r["low"] for r in trained], [r["share"] for r in trained],
+                       width=[0.8 if whole else r["high"] - r["low"] for r in trained],
+                       align="center" if whole else "edge", color=color, alpha=0.6, label="trained")
+            if sampled and whole:
+                ax.bar([r["low"] for r in sampled], [r["share"] for r in sampled], width=0.8, fill=False,
+                       edgecolor="black", lw=1, label="sampled")
+            elif sampled:
+                ax.stairs([r["share"] for r in sampled], [sampled[0]["low"]] + [r["high"] for r in sampled],
+                          color="black", lw=1, label="sampled")
+            for r in (r for r in rs if r["kind"] == "mean"):
+                ax.axvline(r["value"], color="black" if r["set"] == "sampled" else color,
+                           ls="--" if r["set"] == "sampled" else ":", lw=1.2, label=f"{r['set']} mean {r['value']:.3g}")
+            missing = [w for w, got in (("trained", trained), ("sampled", sampled)) if not got
+                       and not (w == "sampled" and q == "staleness")]  # staleness is the trained rows' own
+            if missing:
+                ax.set_title(f"{' and '.join(missing)}: distribution not recorded", fontsize=7)
+            ax.set_xlabel({"tokens": "tokens per trajectory", "turns": "model turns per trajectory",
+                           "staleness": "staleness (versions)"}[q], fontsize=7)
+            if whole and (trained or sampled):
+                ax.set_xticks(sorted({r["low"] for r in trained + sampled}))
+            ax.tick_params(labelsize=6)
+            if rs:
+                ax.legend(fontsize=5)
+        ax_row[0].set_ylabel(f"{sched}\nshare of trajectories", fontsize=7)

@@ -222,6 +222,39 @@ def memory_table(res: Results, last_round: int = LAST_ROUND) -> Table:
                  "mean ± std [95 % t-interval] over seeds.")
 
 
+def certified(res: Results) -> bool:
+    """Whether any run recorded the exactness certificate (run.verify_every): its table is written then."""
+    return bool(numeric(res.rounds, "verify_rel_diff").notna().any())
+
+
+def certificate_table(res: Results, last_round: int = LAST_ROUND) -> Table:
+    """The exactness certificate per cell: rounds certified, the largest verify_rel_diff over every certified
+    round and seed (warm-up included: a wrong gradient is wrong in any round), and the recomputation's cost
+    as a share of learner busy time (per seed: sum verify_s / sum learner_busy_s over its certified rounds)."""
+    rounds = res.rounds
+    rel = numeric(rounds, "verify_rel_diff").where(rounds["round"].between(1, last_round))
+    seeds = rounds[RUN].assign(rel=rel, vs=numeric(rounds, "verify_s").where(rel.notna()),
+                               busy=numeric(rounds, "learner_busy_s").where(rel.notna()))
+    seeds = seeds.groupby(RUN, sort=False).agg(certified=("rel", "count"), rel_max=("rel", "max"), vs=("vs", "sum"),
+                                               busy=("busy", "sum")).reset_index()
+    seeds = seeds[seeds["certified"] > 0].assign(share=lambda f: _ratio(f["vs"], f["busy"]))
+    per_cell = seeds.groupby(CELL, sort=False).agg(rounds_certified=("certified", "sum"),
+                                                   verify_rel_diff_max=("rel_max", "max")).reset_index()
+    t = _join(cells(run_frame(res)), per_cell, _stats(over_seeds(seeds, "share", prefix="verify_share"), "verify_share"))
+    t = t[t["rounds_certified"].notna()].reset_index(drop=True)
+    t["rounds_certified"] = t["rounds_certified"].astype(int)
+    md = [("experiment · schedule", _key), ("seeds", lambda r: r["seeds"]),
+          ("rounds certified", lambda r: str(r["rounds_certified"])),
+          ("max verify_rel_diff", lambda r: fmt(r["verify_rel_diff_max"])),
+          ("verify_s % of learner busy", lambda r: pm(r, "verify_share", scale=100))]
+    return Table("certificate", "Exactness certificate", t, md,
+                 note="verify_rel_diff = max |lazy - other| / max |lazy| over the whole gradient of a round, the "
+                      "step's gradient against its recomputation by the other decomposition (docs/streaming.md, "
+                      "'The exactness certificate'); the maximum over every certified round and seed. Cost per "
+                      "seed: sum of verify_s / sum of learner_busy_s over the certified rounds (busy time includes "
+                      "the recomputation), then mean ± std [95 % t-interval] over seeds.")
+
+
 def rolling_reward(rounds: pd.DataFrame, reward_key: str, window: int = ROLLING_ROUNDS) -> pd.DataFrame:
     """Per run and round: the mean of the last `window` measured rewards up to that round (full windows
     only), beside that round's wall_s and device_s."""

@@ -80,7 +80,7 @@ class LearnerGroup:
 
     # ---- sharding --------------------------------------------------------------------------------
     def shard(self, model, grads: ShardedGrads | None = None, load_one_at_a_time: bool = False,
-              compute_dtype: torch.dtype | None = None):
+              compute_dtype: torch.dtype | None = None, mesh=None):
         """fully_shard every decoder layer, then the root, each with the folding all-to-all (when `grads`).
 
         Sum reduction, no division: FSDP's default averages over ranks, streaming sums exact partial sums.
@@ -89,8 +89,9 @@ class LearnerGroup:
         backward; gradients reach the reduce-scatter in the masters' dtype (FSDP copies the bf16 gradients
         in, exactly), and the all-to-all carries them as compute_dtype, losslessly, so a pass moves the bytes
         it moves without masters and the round's gradient reaches the sharded p.grad unrounded.
+        mesh: a device mesh made beforehand (tsrl plan makes it outside FakeTensorMode, which cannot build one).
         """
-        mesh = init_device_mesh(self.device.split(":")[0], (self.world,))
+        mesh = mesh if mesh is not None else init_device_mesh(self.device.split(":")[0], (self.world,))
         units = [*decoder_layers(model), model]
         mp = {}
         if compute_dtype is not None:

@@ -289,6 +289,7 @@ class StreamLearner:
         self._ended: dict[tuple[str, int], float] = {}  # OPD trajectories that ended: their w_i
         self._open: set = set()  # groups (GRPO) or trajectory keys (OPD units) holding buffers
         self._deferred: set = set()
+        self._held: set = set()  # every group or unit the cap held back at least once (has_work's look included)
         self.queue: list[Item] = []
         self._seq = 0
         self.backwards = 0  # backward passes this rank ran (dummies included)
@@ -377,6 +378,7 @@ class StreamLearner:
             cap = self.obj.loss.max_open_groups
             if cap is not None and len(self._open) + len(opening) >= cap:
                 self._deferred.add(ident)
+                self._held.add(ident)
                 return None
             opening.add(ident)
         return ("member", ident, float(r.reward)) if self.obj.kind == "grpo" else ("unit", ident)
@@ -434,6 +436,12 @@ class StreamLearner:
     def _batch(self, items: list[Item], target: tuple) -> MicroBatch:
         rows = self._rows(items)
         return MicroBatch(items, target, len(rows), max(it.end for it in items))
+
+    @property
+    def deferred(self) -> frozenset:
+        """The groups (GRPO group ids) or trajectories (OPD keys) that max_open_groups held back at least once:
+        their items waited for the group's close (or for a buffer to free) instead of opening one."""
+        return frozenset(self._held)
 
     # ---- one step ------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -527,7 +535,10 @@ class StreamLearner:
         reg = _regularizer(self.obj, logp, ref, ent)
         w = torch.tensor([self._weight(h) for h in heads], dtype=torch.float64).to(logp)  # (B,)
         if self.obj.kind == "grpo" and b.target[0] == "member":  # G_i: advantage 1; S_r, S_1 take it at close
-            out = [(w * (pg_token_loss(logp, 1.0) * mask).sum(-1)).sum()]
+            main = pg_token_loss(logp, 1.0)
+            if self.token_weights is not None:  # TIS: a detached per-token weight, linear like the advantage
+                main = main * self.token_weights([h.rollout for h in heads], logp)
+            out = [(w * (main * mask).sum(-1)).sum()]
             if reg is not None:
                 out.append((w * (reg * mask).sum(-1)).sum())
             return out

@@ -35,6 +35,7 @@ from tsrl_cli.processes import (
     reset_peak_device,
     reset_peak_rss,
 )
+from tsrl_cli.rl.certificate import break_fold_if_asked, certify, due
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import Objective, StreamLearner
 from tsrl_cli.rl.masters import MASTER_KEY, MasterWeights, master_dtype, master_state, upcast_for_group
@@ -133,15 +134,19 @@ class Learner:
         self.coalesce_turns = self.microbatch or (mb == "auto" and cfg.objective == "opd")
 
     # ---- what the schedules use ---------------------------------------------------------------
-    def engine(self, plan: RoundPlan, **kw) -> StreamLearner:
-        """The round's learner engine on this rank (schedules choose when it runs)."""
+    def engine(self, plan: RoundPlan, *, recompute: bool = False, **kw) -> StreamLearner:
+        """The round's learner engine on this rank (schedules choose when it runs). recompute: the
+        exactness certificate's second engine (rl/certificate.py), which a test's fold fault never reaches."""
         lc = self.cfg.learner
         opts = {"max_tokens": lc.max_microbatch_tokens, "max_items": lc.max_microbatch_items if self.microbatch else 1,
                     "ref_model": self.ref, "chunk_tokens": lc.logits_chunk_tokens}
         opts.update(kw)
         if self.group is not None:
             opts.update(grads=self.grads, rank=self.rank, world=self.world)
-        return StreamLearner(self.model, self.obj, plan.group_sizes(), **opts)
+        sl = StreamLearner(self.model, self.obj, plan.group_sizes(), **opts)
+        if not recompute:
+            break_fold_if_asked(sl, plan.round)
+        return sl
 
     def receive(self, plan: RoundPlan, block: bool, limit: int | None = None) -> list:
         """The round's messages that have arrived (rank 0 reads the queue; a group broadcasts them).
@@ -160,10 +165,13 @@ class Learner:
                     raise RuntimeError(f"learner: a round {m.round} item arrived during round {plan.round}")
         return msgs if self.group is None else self.group.broadcast(msgs)
 
-    def finish(self, sl: StreamLearner):
+    def finish(self, sl: StreamLearner, plan: RoundPlan, work: RoundWork):
         """Round close: the gradient per parameter (one rank), or None on a group, where FSDP now holds
-        the sharded p.grad of R."""
+        the sharded p.grad of R. In a certified round (run.verify_every) the gradient is recomputed and
+        compared first (rl/certificate.py): work.verify, or the run stops before the step."""
         grads = sl.close_round()
+        if due(self.cfg, plan.round):
+            work.verify = certify(self, plan, work, sl, grads)
         if self.group is None:
             return grads
         self.grads.emit(grads, lambda: sl.zero_loss())
@@ -283,10 +291,12 @@ class Learner:
                 continue
             report = {
                 "version": self.version, "items": work.items, "group_close": work.group_close, "batch": work.batch,
+                "trajectories": work.trajectories,  # OPD: each trajectory's end (events.jsonl `trajectory` rows)
                 "last_arrival": work.last_arrival, "busy_s": work.busy_s + (step["end"] - step["start"]), "step": step,
                 "publish": published, "grad_norm": grad_norm, "model_bytes": self.model_bytes,
                 "trainable_bytes": self.trainable_bytes, "opd_reverse_kl": _reverse_kl(work.rollouts),
                 "microbatches": work.microbatches, "learners": self.world, "work": work.work(), **ranks,
+                "verify": work.verify,
             }
             if checkpoint is not None:
                 report["checkpoint"], report["checkpoint_s"] = checkpoint

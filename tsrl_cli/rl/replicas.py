@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import rollout_replicas
+from tsrl_cli.engines.auth import client_api_key
 from tsrl_cli.engines.base import TurnBatcher, TurnRequest, apply_sync
 from tsrl_cli.engines.load import open_client, open_engine
 from tsrl_cli.processes import init_worker, peak_device_bytes, peak_rss_bytes, reset_peak_device, reset_peak_rss
@@ -241,7 +242,8 @@ class ServerPool(_Pool):
 
     def __init__(self, cfg: TrainConfig, start_version: int, bus_addr, log):
         self.cfg, self.bus_addr = cfg, bus_addr
-        self.client = open_client(cfg.rollout.servers, timeout_s=cfg.rollout.server_timeout_s, log=log)
+        self.client = open_client(cfg.rollout.servers, timeout_s=cfg.rollout.server_timeout_s, log=log,
+                                  api_key=client_api_key(cfg.rollout.server_api_key))
         self.client.join_bus(bus_addr[0], bus_addr[1], 1, bus_size(cfg), bus_backend(cfg))
         self.generate = self.client.generate
         self.version = start_version

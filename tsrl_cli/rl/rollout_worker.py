@@ -6,7 +6,9 @@ servers; new weights reach every engine over the weight bus (rl/weightbus.py), n
 Per round: take the newest weights allowed (on-policy schedules wait for exactly the previous
 round's; `async` takes whatever is newest, waiting only past `max_staleness`), freeze the version,
 run every (group, sample) as an asyncio session. Each finished trajectory (GRPO), or each closed
-model turn (OPD, to the teacher), leaves on a queue the moment it exists.
+model turn (OPD, to the teacher), leaves on a queue the moment it exists. In a round after a checkpoint
+each ended trajectory is first appended to the run directory's journal, fsynced (rl/journal.py); the
+first round of a resumed run sends the journal's trajectories again and generates only the missing ones.
 
 A rollout is a pure function of (weights, seed, round, task, sample): the prompts come from the
 round plan and every request's sampling seed from request_seed(seed, round, group, sample, turn).
@@ -23,9 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 from tsrl_cli.agent.latency import ToolLatency
-from tsrl_cli.agent.loop import SYSTEM_PROMPT, AgentLimits, run_agent
+from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.oracle import OracleSession
-from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.engines.base import SamplingParams
 from tsrl_cli.errors import OperationFailed, UsageError
@@ -37,6 +39,7 @@ from tsrl_cli.processes import (
     reset_peak_device,
     reset_peak_rss,
 )
+from tsrl_cli.rl.journal import Journal, closed_turns
 from tsrl_cli.rl.replicas import make_pool
 from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
@@ -45,21 +48,33 @@ from tsrl_cli.rollouts import Rollout
 # Tests that kill or stop a run mid-round (tests/rl/test_faults.py) set TSRL_HOLD_ROLLOUT_AT_ROUND=K:PATH: the
 # rollout process, once it holds round K's weights and before its first trajectory, creates PATH and waits
 # while PATH exists. The signal then lands mid-round by construction, not by a poll that a loaded machine
-# can make late (the run finishing first). Unset in every other use.
+# can make late (the run finishing first). TSRL_HOLD_ROLLOUT_AFTER_TRAJECTORIES=K:N:PATH holds the same way once
+# N trajectories of round K have ended (each in the journal and on its way to the learner): a strike then lands
+# mid-round with exactly N of its trajectories done, since the hold stops the whole event loop. Unset in every
+# other use.
 HOLD_ENV = "TSRL_HOLD_ROLLOUT_AT_ROUND"
+HOLD_AFTER_ENV = "TSRL_HOLD_ROLLOUT_AFTER_TRAJECTORIES"
 
 
-def hold_if_asked(round_: int) -> None:
-    spec = os.environ.get(HOLD_ENV)
+def _hold(env: str, at: tuple[int, ...], example: str) -> None:
+    spec = os.environ.get(env)
     if not spec:
         return
-    k, _, path = spec.partition(":")
-    if not (k.isdigit() and path):
-        raise UsageError(f"{HOLD_ENV}={spec!r}: expected ROUND:PATH, e.g. 2:/tmp/held")
-    if int(k) == round_:
+    *numbers, path = spec.split(":", len(at))
+    if not (len(numbers) == len(at) and all(n.isdigit() for n in numbers) and path):
+        raise UsageError(f"{env}={spec!r}: expected {example}")
+    if tuple(int(n) for n in numbers) == at:
         Path(path).touch()
         while os.path.exists(path):
             time.sleep(0.05)
+
+
+def hold_if_asked(round_: int) -> None:
+    _hold(HOLD_ENV, (round_,), "ROUND:PATH, e.g. 2:/tmp/held")
+
+
+def hold_after_if_asked(round_: int, ended: int) -> None:
+    _hold(HOLD_AFTER_ENV, (round_, ended), "ROUND:N:PATH, e.g. 3:3:/tmp/held")
 
 
 class EnvironmentFailed(OperationFailed):
@@ -68,16 +83,21 @@ class EnvironmentFailed(OperationFailed):
 
 class RolloutWorker:
     """want_q: (need, have) requests to the learner's publisher for a weight-bus sync, None at the end;
-    replica_qs: the replica processes' (request queues, reply queue) when devices.rollout names several."""
+    replica_qs: the replica processes' (request queues, reply queue) when devices.rollout names several;
+    run_dir: where journaled rounds' trajectories are written as they end (rl/journal.py; None: nowhere);
+    resumed: a resumed run's journaled trajectories of its first round, sent again instead of generated."""
 
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, want_q,
-                 report_q, bus_addr, replica_qs=None):
+                 report_q, bus_addr, replica_qs=None, run_dir: str | None = None,
+                 resumed: list[TrajectoryDone] | tuple = ()):
         self.cfg, self.out_q, self.want_q, self.report_q = cfg, out_q, want_q, report_q
+        self.journal = Journal(run_dir) if run_dir is not None else None
+        self.resumed = list(resumed)
         ro = cfg.rollout
         self.pool = make_pool(cfg, init_dir, policy_dir, start_version, bus_addr, replica_qs,
                               log=lambda line: report_q.put(("log", "rollout", line)))
         self.device = self.pool.device  # where this process's own engine is, if it has one
-        self.renderer = ChatMLRenderer(load_tokenizer(init_dir))
+        self.renderer = make_renderer(load_tokenizer(init_dir), cfg.model.chat_template, ro.thinking)
         if ro.engine == "openai":  # remote servers hold whatever they loaded: start them on the run's weights
             self._sync(start_version, -1)
         self.tasks = load_task_table(cfg.data.train, cfg.data.limit)
@@ -133,14 +153,21 @@ class RolloutWorker:
                         f"their environment (first: task {env_errors[0].task_key}: "
                         f"{env_errors[0].exit_reason.removeprefix('env_error: ')}); rollout.max_env_error_frac is "
                         f"{self.cfg.rollout.max_env_error_frac:g}: check the task with `tsrl env exec`, or raise it")
+            if plan.journal and self.journal is not None:  # durable before the learner sees it
+                self.journal.write(msg)
             self.out_q.put(msg)
             done.append(msg)
             self.report_q.put(("progress", "rollout", {"round": plan.round, "done": len(done),
                                                        "in_flight": started - len(done),
                                                        "total": plan.num_trajectories}))
+            hold_after_if_asked(plan.round, len(done))
 
         start = time.monotonic()
-        await asyncio.gather(*(one(g, i) for g in plan.groups for i in range(g.size)))
+        replayed = self.replay(plan.round)  # a resumed round: what the journal holds, sent again
+        done += replayed
+        env_errors += [m for m in replayed if m.exit_reason.startswith("env_error")]
+        have = {m.rollout.key for m in replayed}
+        await asyncio.gather(*(one(g, i) for g in plan.groups for i in range(g.size) if (g.group_id, i) not in have))
         end = time.monotonic()
         rewards = [m.rollout.reward for m in done]
         report = {
@@ -153,14 +180,34 @@ class RolloutWorker:
             "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             "turns_mean": statistics.fmean(m.num_turns for m in done),
             "exit_reasons": dict(Counter(m.exit_reason.split(":")[0] for m in done)),
-            "env_errors": len(env_errors),
+            "env_errors": len(env_errors), "resumed_trajectories": len(replayed),
+            "tool_call_errors": sum(len(m.tool_call_errors) for m in done),
+            "tool_call_error_kinds": dict(Counter(k for m in done for k in m.tool_call_errors)),
+            # what this side sampled, per trajectory in key order (events.jsonl `sampled`: the bias audit's reference)
+            "sampled": {"tasks": dict(Counter(m.task_key for m in done)),
+                        "tokens": [len(m.rollout.input_ids) for m in sorted(done, key=lambda m: m.rollout.key)],
+                        "turns": [m.num_turns for m in sorted(done, key=lambda m: m.rollout.key)]},
             "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
             "engine": self.pool.name, **self.pool.stats(),
         }
         if self.cfg.run.save_rollouts:
-            report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": version}
+            report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": m.policy_version}
                                   for m in sorted(done, key=lambda m: m.rollout.key)]
         return report
+
+    def replay(self, round_: int) -> list[TrajectoryDone]:
+        """The resumed trajectories of this round, sent as they were when they ended (OPD: their closed turns
+        first, which the teacher scores again), stamped now: the learner's work on them is this round's."""
+        out = []
+        for m in (m for m in self.resumed if m.round == round_):
+            t = time.monotonic()
+            if self.cfg.objective == "opd":
+                for turn in closed_turns(m, t):
+                    self.out_q.put(turn)
+            m = dataclasses.replace(m, finished_at=t)
+            self.out_q.put(m)
+            out.append(m)
+        return out
 
     async def run_one(self, round_: int, version: int, spec: GroupSpec, i: int) -> TrajectoryDone:
         opd = self.cfg.objective == "opd"
@@ -173,12 +220,12 @@ class RolloutWorker:
         env = make_task_env(self.tasks[spec.task_key], self.cfg.rollout.executor, self.base_images)
         generate = self.pool.generate
         if self.cfg.rollout.agent == "oracle":  # the task's reference solution as the model's turns
-            generate = OracleSession(self.renderer.tok, env.oracle_command(), version, spec.task_key).generate
+            generate = OracleSession(self.renderer, env.oracle_command(), version, spec.task_key).generate
         try:
             try:
                 await env.start()
             except Exception as e:  # noqa: BLE001 - a sandbox that cannot start: counted, and over the cap the run stops
-                ids = self.renderer.prompt(SYSTEM_PROMPT, env.instruction)
+                ids = self.renderer.prompt(self.renderer.system_prompt, env.instruction)
                 ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids))
                 return TrajectoryDone(round_, version, ro, spec.task_key, f"env_error: {type(e).__name__}: {e}", 0,
                                       time.monotonic())
@@ -195,7 +242,7 @@ class RolloutWorker:
             rollout = dataclasses.replace(rollout, reward=float(self.cfg.rollout.unsubmitted_reward))
         return TrajectoryDone(round_, version, rollout, spec.task_key, res.exit_reason, res.num_turns,
                               time.monotonic(), sum(e["duration_s"] for e in tools),
-                              sum(e["injected_latency_s"] for e in tools))
+                              sum(e["injected_latency_s"] for e in tools), tuple(res.tool_call_errors))
 
     def run(self, plans: list[RoundPlan]) -> None:
         for plan in plans:
@@ -215,10 +262,11 @@ class RolloutWorker:
 
 
 def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, plans, out_q, want_q,
-                 report_q, go, bus_addr, replica_qs=None) -> None:
+                 report_q, go, bus_addr, replica_qs=None, run_dir=None, resumed=()) -> None:
     """`go` (an Event) is set once every process is ready, so round 1 measures no start-up."""
     init_worker()
-    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, want_q, report_q, bus_addr, replica_qs)
+    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, want_q, report_q, bus_addr, replica_qs,
+                           run_dir, resumed)
     report_q.put(("ready", "rollout", None))
     go.wait()
     worker.run(plans)

@@ -49,6 +49,8 @@ class RoundWork:
     microbatches: int = 0  # micro-batches of the round (all ranks')
     last_arrival: float = float("-inf")  # the last message of the round (the round cannot close before)
     rollouts: list[Rollout] = field(default_factory=list)  # final rollouts, in arrival order
+    verify: dict | None = None  # the exactness certificate's result this round (rl/certificate.py), or None
+    trajectories: list[dict] = field(default_factory=list)  # OPD: each trajectory's end (its turns are the items)
     _members: Counter = field(default_factory=Counter)
     _rows: dict = field(default_factory=dict)  # (group_id, sample_index, turn) -> its item row
 
@@ -69,15 +71,22 @@ class RoundWork:
             self._rows[(r.group_id, r.sample_index, msg.turn)] = row
             return
         self.rollouts.append(r)
+        # what the trajectory was (its model turns, why it ended: a limit or an error cuts it short)
+        end = {"turns": msg.num_turns, "exit": msg.exit_reason.split(":")[0]}
         if not self.opd:  # GRPO: the trajectory is the item
             n = r.num_loss_tokens
             row = {"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
                    "sample_index": r.sample_index, "turn": None, "finished_at": msg.finished_at,
                    "backward_start": None if n else at, "backward_end": None if n else at,
                    "tokens": len(r.input_ids), "loss_tokens": n, "staleness": staleness, "reward": r.reward,
-                   "share": 1.0}
+                   "share": 1.0, **end}
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, None)] = row
+        else:
+            self.trajectories.append({"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
+                                      "sample_index": r.sample_index, "finished_at": msg.finished_at,
+                                      "tokens": len(r.input_ids), "loss_tokens": r.num_loss_tokens,
+                                      "staleness": staleness, "reward": r.reward, **end})
 
     def ran(self, batches, start: float, end: float, cpu_s: float = 0.0) -> None:
         """stream: the items of these micro-batches (one per rank) were backwarded in [start, end),
@@ -95,6 +104,12 @@ class RoundWork:
                 if row is not None:
                     row["backward_start"], row["backward_end"] = start, end
                     row["share"] = row["loss_tokens"] / total
+
+    def deferred(self, idents) -> None:
+        """stream: mark each item whose GRPO group (group_id) or OPD trajectory ((group_id, sample_index))
+        loss.max_open_groups deferred to its close; every other item of the round was not deferred."""
+        for (gid, i, _), row in self._rows.items():
+            row["deferred"] = (gid if not self.opd else (gid, i)) in idents
 
     def trajectory_ended(self, r: Rollout, size: int, at: float) -> None:
         self._members[r.group_id] += 1
@@ -156,8 +171,9 @@ def learn_stream(learner, plan: RoundPlan) -> RoundWork:
             batches = sl.step()
             work.ran(batches, t0, now(), time.process_time() - c0)
         learner.progress(plan.round, work)
+    work.deferred(sl.deferred)
     work.step_start = now()
-    work.grads = learner.finish(sl)  # the round scalar (1/N, 1/B or 1/C), applied once
+    work.grads = learner.finish(sl, plan, work)  # the round scalar (1/N, 1/B or 1/C), applied once
     work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes  # open groups + round buffer R
     work.buffer_set_bytes = sl.acc.param_bytes
     work.backwards = sl.backwards
@@ -188,8 +204,27 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
     per_item = learner.cfg.sync_batching == "per_item"
     sl = learner.engine(plan, token_weights=token_weights, max_items=1 if per_item else None)
     t0, c0 = now(), time.process_time()
-    for r in sorted(work.rollouts, key=lambda r: r.key):  # arrival order never changes the lazy sum
-        if learner.obj.kind == "grpo":
+    feed_complete(sl, sorted(work.rollouts, key=lambda r: r.key), per_item)  # the order never changes the lazy sum
+    work.grads = learner.finish(sl, plan, work)
+    t1 = now()
+    work.batched(t0, t1, padded=not per_item, cpu_s=time.process_time() - c0)
+    work.microbatches = len(sl.batches)
+    work.positions = sum(b.tokens for b in sl.batches)
+    work.loss = sl.loss
+    work.step_start = t1
+    work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
+    work.buffer_set_bytes = sl.acc.param_bytes
+    work.backwards = sl.backwards
+    return work
+
+
+def feed_complete(sl, rollouts: list[Rollout], per_item: bool) -> None:
+    """Every trajectory of a round into engine `sl`, in the given order, and backward them all.
+    per_item False: as they come every group completes and every OPD trajectory is one row, so the
+    engine forms the lazy padded batch (split under its token cap). True: each item is backwarded as
+    if it had just arrived (an open group's members into S_r and S_1, OPD turns over their prefixes)."""
+    for r in rollouts:
+        if sl.obj.kind == "grpo":
             sl.on_trajectory(r)
         elif per_item:
             for k in range(len(r.turn_spans)):
@@ -201,17 +236,6 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
         if per_item:
             sl.drain()
     sl.drain()
-    work.grads = learner.finish(sl)
-    t1 = now()
-    work.batched(t0, t1, padded=not per_item, cpu_s=time.process_time() - c0)
-    work.microbatches = len(sl.batches)
-    work.positions = sum(b.tokens for b in sl.batches)
-    work.loss = sl.loss
-    work.step_start = t1
-    work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
-    work.buffer_set_bytes = sl.acc.param_bytes
-    work.backwards = sl.backwards
-    return work
 
 
 def learn_sync(learner, plan: RoundPlan) -> RoundWork:

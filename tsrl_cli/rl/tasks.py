@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.agent.oracle import oracle_turn_tokens
+from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.engines.base import request_seed
@@ -50,9 +51,11 @@ def prepare_environments(cfg: TrainConfig, table: dict[str, tuple[Path | None, o
                          note: Callable[[str], None]) -> None:
     """Before any worker starts: every task's environment can be made, the docker executor's task
     images exist (built from their Dockerfiles, logs in log_dir), and under rollout.agent oracle
-    every task has a reference solution that fits in one turn. UsageError (exit 2) or
-    ImageBuildFailed (exit 1), one line naming the task, otherwise."""
+    every task has a reference solution that fits in one turn. The chat format is resolved here first
+    (model.chat_template, rollout.thinking), so a tokenizer the agent cannot talk to fails before any
+    worker starts. UsageError (exit 2) or ImageBuildFailed (exit 1), one line naming the task, otherwise."""
     ro = cfg.rollout
+    renderer = make_renderer(tokenizer, cfg.model.chat_template, ro.thinking)
     base_images = parse_base_images(cfg.docker.base_images, where="config key docker.base_images:")
     if ro.executor == "docker":
         reason = docker_unavailable_reason()
@@ -69,7 +72,7 @@ def prepare_environments(cfg: TrainConfig, table: dict[str, tuple[Path | None, o
             continue
         if not hasattr(env, "oracle_command"):
             raise UsageError(f"rollout.agent oracle: task {key} has no reference solution to play")
-        longest = max(longest, (oracle_turn_tokens(tokenizer, env.oracle_command()), key))
+        longest = max(longest, (oracle_turn_tokens(renderer, env.oracle_command()), key))
     if longest[0] > ro.max_turn_tokens:
         raise UsageError(f"rollout.agent oracle: task {longest[1]}'s solution is {longest[0]} tokens, over "
                          f"rollout.max_turn_tokens {ro.max_turn_tokens}; raise it "
@@ -88,11 +91,11 @@ def draw_prompts(keys: list[str], seed: int, round_: int, n: int) -> list[str]:
 
 
 def plan_round(keys: list[str], seed: int, round_: int, prompts: int, group_size: int,
-               save_checkpoint: bool = False) -> RoundPlan:
+               save_checkpoint: bool = False, journal: bool = False) -> RoundPlan:
     seen: dict[str, int] = {}
     groups = []
     for key in draw_prompts(keys, seed, round_, prompts):
         seen[key] = seen.get(key, 0) + 1
         gid = key if seen[key] == 1 else f"{key}#{seen[key]}"
         groups.append(GroupSpec(gid, key, group_size))
-    return RoundPlan(round_, tuple(groups), save_checkpoint)
+    return RoundPlan(round_, tuple(groups), save_checkpoint, journal)

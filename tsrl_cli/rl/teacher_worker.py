@@ -33,6 +33,9 @@ from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnClosed, TurnScored
 from tsrl_cli.rollouts import Rollout
 
 
+CACHE_BYTES = 2 << 30  # the open trajectories' key/value caches a TurnScorer keeps (tsrl plan counts them)
+
+
 @dataclass
 class _Prefix:
     ids: list[int]  # the tokens cached so far
@@ -51,7 +54,7 @@ class TurnScorer:
     their next turn is scored from scratch, with the same result.
     """
 
-    def __init__(self, model, max_bytes: int = 2 << 30):
+    def __init__(self, model, max_bytes: int = CACHE_BYTES):
         self.model = model
         self.device = next(model.parameters()).device
         c = model.config

@@ -37,6 +37,7 @@ from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
 from tsrl_cli.predict import streaming_of
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
 from tsrl_cli.rl.group import torchrun_env
+from tsrl_cli.rl.journal import replay_of
 from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.learner_worker import learner_main
 from tsrl_cli.rl.replicas import replica_main
@@ -115,6 +116,7 @@ def _prepare_run(run: RunLog, cfg: TrainConfig, resume: bool, policy_dir: str) -
             raise UsageError(f"{run.root} already holds a run: pass --resume to continue it, or --out for a new one")
         for name in (*LOGS, DONE):  # a start that never finished a round
             (run.root / name).unlink(missing_ok=True)
+        run.forget_journal()
         run.write_config(dump_config(cfg))
         return 0, policy_dir, {"wall_s": 0.0, "core_s": 0.0}
     stored = run.config()
@@ -165,8 +167,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     start, init_dir, offsets = _prepare_run(run, cfg, resume, policy_dir)
     prepare_environments(cfg, table, load_tokenizer(policy_dir), run.root / "builds",
                          lambda line: progress({"event": "log", "who": "docker", "line": line}))
-    plans = [plan_round(keys, cfg.seed, r, cfg.rollout.prompts_per_round, cfg.rollout.group_size, save_at(cfg, r))
+    # a round right after a checkpoint journals its trajectories (rl/journal.py): a resume from that checkpoint
+    # replays them (the checkpoint a resume started from, or one this run writes; save_at(cfg, 0): round-0's)
+    plans = [plan_round(keys, cfg.seed, r, cfg.rollout.prompts_per_round, cfg.rollout.group_size, save_at(cfg, r),
+                        journal=(r - 1 == start and start > 0) or save_at(cfg, r - 1))
              for r in range(start + 1, cfg.rounds + 1)]
+    resumed = []
+    if resume and plans:  # a round stopped midway: its ended trajectories go to the learner again
+        bound = cfg.offpolicy.max_staleness if cfg.schedule == "async" else 0
+        resumed = replay_of(run, plans[0], start, bound)
+        if resumed:
+            progress({"event": "log", "who": "resume", "line": f"round {plans[0].round}: {len(resumed)} of "
+                      f"{plans[0].num_trajectories} trajectories from its journal go to the learner again; "
+                      "the rest are generated"})
+    elif resume:
+        run.forget_journal()
     progress({"event": "start", "run_dir": str(run.root), "first_round": start + 1, "rounds": cfg.rounds,
               "trajectories_per_round": plans[0].num_trajectories if plans else 0})
     trackers = open_trackers(run.root, cfg, cfg.run.trackers, first_round=start + 1)
@@ -176,8 +191,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
         if plans:
             save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
             with sigterm_raises(), Workers(cfg, init_dir, policy_dir, teacher_dir, start, str(run.root), plans,
-                                           save_initial) as workers:
+                                           save_initial, resumed) as workers:
                 Orchestrator(cfg, run, workers, plans, offsets, progress, trackers).run()
+            run.forget_journal()  # the last round's checkpoint holds every round (and no worker writes now)
         if cfg.eval.every > 0:
             evaluate_checkpoints(cfg, run, progress, trackers)
     finally:
@@ -210,7 +226,8 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
             continue
         model, tok = load_policy(ckpt)
         res = evaluate_embedded(model, tok, list(cfg.eval.datasets), samples=cfg.eval.samples,
-                                temperature=cfg.eval.temperature, limit=cfg.eval.limit, model_name=str(ckpt))
+                                temperature=cfg.eval.temperature, limit=cfg.eval.limit, model_name=str(ckpt),
+                                chat_template=cfg.model.chat_template, thinking=cfg.rollout.thinking)
         metrics = res["metrics"]
         progress({"event": "eval", "round": k, "metrics": metrics})
         if trackers is not None:
@@ -229,7 +246,7 @@ class Workers:
     through a FileStore in a temporary folder; rank 0 holds the queues.
     """
 
-    def __init__(self, cfg, init_dir, policy_dir, teacher_dir, start, run_dir, plans, save_initial):
+    def __init__(self, cfg, init_dir, policy_dir, teacher_dir, start, run_dir, plans, save_initial, resumed=()):
         ctx = mp.get_context(cfg.run.start_method)
         if cfg.run.start_method == "forkserver":  # workers fork from a server that imported torch once
             ctx.set_forkserver_preload(PRELOAD)
@@ -250,7 +267,7 @@ class Workers:
                 specs[f"engine-{k}"] = (replica_main, (cfg, init_dir, policy_dir, start, k, replica_qs[0][k],
                                                        replica_qs[1], bus_addr, self.report_q))
         specs["rollout"] = (rollout_main, (cfg, init_dir, policy_dir, start, plans, traj_q, self.want_q, self.report_q,
-                                           self.go, bus_addr, replica_qs))
+                                           self.go, bus_addr, replica_qs, run_dir, list(resumed)))
         launched = torchrun_env()  # under torchrun this node runs learner rank 0; the other ranks are torchrun's
         world = launched[1] if launched else len(learner_devices(cfg))
         self.store_dir = tempfile.mkdtemp(prefix="tsrl-learners-") if world > 1 and not launched else None
@@ -379,6 +396,8 @@ class Orchestrator:
             self.run_log.append(EVENTS, events)
             if self.cfg.run.save_rollouts:
                 self.run_log.append(ROLLOUTS, p["rollout"].get("rollouts", []))
+            if p["learner"].get("checkpoint"):  # round k is in a checkpoint: no resume replays its journal
+                self.run_log.forget_journal(upto=k)
             self.progress({"event": "round", "row": row})
             self.round_start = sync["end"]
             self.next_round += 1
@@ -415,6 +434,10 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "trajectories": ro["trajectories"], "tokens": ro["tokens"], "loss_tokens": ro["loss_tokens"],
         "reward_mean": ro["reward_mean"], "reward_std": ro["reward_std"], "loss": le["loss"],
         "env_errors": ro.get("env_errors", 0),  # trajectories whose environment did not start (scored 0)
+        # model turns whose tool call could not be run (agent/toolcalls.py), and how many of each kind
+        "tool_call_errors": ro.get("tool_call_errors", 0), "tool_call_error_kinds": ro.get("tool_call_error_kinds", {}),
+        # trajectories of a round stopped midway, read back from its journal instead of generated (rl/journal.py)
+        "resumed_trajectories": ro.get("resumed_trajectories", 0),
         "grad_norm": le["grad_norm"], "wall_s": None, "core_s": None,
         # beyond the contract's required keys
         "exact": cfg.schedule != "async", "turns_mean": ro["turns_mean"], "exit_reasons": ro["exit_reasons"],
@@ -437,6 +460,8 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         row["opd_reverse_kl"] = le["opd_reverse_kl"]
     if le.get("checkpoint"):
         row["checkpoint_s"] = le["checkpoint_s"]
+    if le.get("verify") is not None:  # a certified round (run.verify_every, rl/certificate.py)
+        row["verify_rel_diff"], row["verify_s"] = le["verify"]["verify_rel_diff"], le["verify"]["verify_s"]
     stream = cfg.schedule == "stream"
     events = [{"round": k, "event": "item", "id": it["id"], "group_id": it["group_id"],
                "sample_index": it["sample_index"], "turn": it["turn"], "finished_at_s": rel(it["finished_at"]),
@@ -444,7 +469,13 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
                # stream: this item's share (by loss tokens) of the micro-batch it was backwarded in
                "learner_cost_s": (it["backward_end"] - it["backward_start"]) * it.get("share", 1.0) if stream else None,
                "tokens": it["tokens"], "loss_tokens": it["loss_tokens"], "staleness": it["staleness"],
-               "reward": it["reward"], **_turn_timing(it, rel)} for it in items]
+               "reward": it["reward"], **_turn_timing(it, rel), **_trajectory_end(it),
+               "deferred": it.get("deferred")} for it in items]
+    # OPD: each trajectory's end as the learner received it (GRPO's item row is its trajectory)
+    events += [{"round": k, "event": "trajectory", **{c: v for c, v in t.items() if c != "finished_at"},
+                "finished_at_s": rel(t["finished_at"])} for t in le.get("trajectories", [])]
+    if ro.get("sampled") is not None:  # the rollout side's own tally: the bias audit's reference (tsrl report)
+        events.append({"round": k, "event": "sampled", **ro["sampled"]})
     if le["batch"] is not None:
         b = le["batch"]
         events.append({"round": k, "event": "batch_backward", "start_s": rel(b["start"]), "end_s": rel(b["end"]),
@@ -465,6 +496,11 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
     return row, events
 
 
+def _trajectory_end(it: dict) -> dict:
+    """GRPO items (whole trajectories): their model turns and why they ended. Absent on OPD turn items."""
+    return {"turns": it["turns"], "exit": it["exit"]} if "exit" in it else {}
+
+
 def _turn_timing(it: dict, rel) -> dict:
     """OPD turn items: when the rollout closed the turn, when the teacher started scoring it (its scores
     arrived at finished_at_s), and the prefix its backward row covers. Absent on GRPO items."""
@@ -472,6 +508,15 @@ def _turn_timing(it: dict, rel) -> dict:
         return {}
     return {"closed_at_s": rel(it["closed_at"]), "teacher_start_s": rel(it["teacher_start"]),
             "prefix_tokens": it["prefix_tokens"]}
+
+
+def certificate_summary(rows: list[dict]) -> dict:
+    """The exactness certificate over a run's rows: rounds certified, the largest verify_rel_diff, and
+    verify_s as a share of learner busy time over those rounds (None without certified rounds)."""
+    done = [r for r in rows if r.get("verify_rel_diff") is not None]
+    busy = sum(r["learner_busy_s"] for r in done)
+    return {"verify_rounds": len(done), "verify_rel_diff_max": _stat([r["verify_rel_diff"] for r in done], max),
+            "verify_share_of_learner": sum(r["verify_s"] for r in done) / busy if done and busy > 0 else None}
 
 
 def summarize(cfg: TrainConfig, run: RunLog) -> dict:
@@ -491,6 +536,7 @@ def summarize(cfg: TrainConfig, run: RunLog) -> dict:
         "staleness_max": _stat([r["staleness_max"] for r in rows], max),
         "peak_mem_learner_bytes": _stat([r["peak_mem_learner_bytes"] for r in rows], max),
         "accumulator_peak_bytes": _stat([r["accumulator_peak_bytes"] for r in rows], max),
+        **certificate_summary(rows),
         "wall_s": rows[-1]["wall_s"] if rows else 0.0, "core_s": rows[-1]["core_s"] if rows else 0.0,
         "checkpoint": str(ckpts[max(ckpts)]) if ckpts else None,
         # what streaming bought (or would buy): the event model on this run's own trace

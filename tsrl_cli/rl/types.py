@@ -20,6 +20,9 @@ class RoundPlan:
     round: int  # 1-based
     groups: tuple[GroupSpec, ...]
     save_checkpoint: bool = False
+    # its trajectories go to the run directory's journal as they end (rl/journal.py): a checkpoint precedes
+    # the round, so a resume from that checkpoint replays them
+    journal: bool = False
 
     @property
     def num_trajectories(self) -> int:
@@ -43,6 +46,7 @@ class TrajectoryDone:
     finished_at: float  # when it left the rollout process (GRPO) or the teacher (OPD)
     tool_s: float = 0.0  # real tool time
     injected_s: float = 0.0  # injected tool latency
+    tool_call_errors: tuple[str, ...] = ()  # the kind of each turn whose tool call could not run (agent/toolcalls.py)
 
 
 @dataclass
