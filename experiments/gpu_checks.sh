@@ -12,7 +12,9 @@
 #   4. tsrl bench speedup on the toy workload with the processes on cuda:0 (labelled toy scale)
 #   5. two stream rounds with the vllm engine (where vLLM is installed) and with hf, on cuda:0: round 2's
 #      behavior log-probs against the learner's under the round-1 checkpoint, and generation tokens/s
-#   6. NEEDS A GPU: tsrl plan's learner figure (fake CPU tensors) against torch.cuda.max_memory_allocated of the same
+#   6. a fold into pinned host buffers from cuda:0 (event, copy stream, the add over 1, 4 and 8 CPU threads):
+#      GB/s, for the arithmetic of the host folds' share of a node round (results/LOG.md)
+#   7. NEEDS A GPU: tsrl plan's learner figure (fake CPU tensors) against torch.cuda.max_memory_allocated of the same
 #      pass and AdamW step on cuda:0, Qwen3-1.7B's config with random weights, bf16, 4096 tokens (<= 10 %)
 # Steps 1, 4 and 5 (and step 2's OPD run) put the rollout engine and the learner's rank 0 on cuda:0. NCCL
 # refuses two ranks of one communicator on one GPU, so the weight bus's auto backend joins co-located
@@ -62,5 +64,7 @@ if $PY -c "import vllm" 2>/dev/null; then
 else
   echo "=== engine_rounds_vllm: skipped, vLLM is not installed here"
 fi
+# a fold into pinned host buffers as the learner runs it (event, copy stream, parallel add), by thread count
+run host_fold 60 $PY experiments/host_fold.py --device cuda:0 --threads 1,4,8 --grad-dtype bfloat16 --json
 run plan_vs_cuda 200 $PY experiments/plan_vs_cuda.py --config experiments/node8/models/Qwen3-1.7B --tokens 4096 --json
 echo "done; logs in $OUT_DIR"

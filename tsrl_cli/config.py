@@ -140,6 +140,9 @@ class LossConfig:
     # (host memory, pinned; on a GPU the folds run on a copy stream while the next backward goes on)
     buffer_device: str = "device"
     buffer_dtype: str = "float32"  # float32 (float64 for a float64 model) | bfloat16 (opt-in: half the bytes, not exact)
+    # CPU threads of each fold into host buffers (rl/hostfold.py); 0 = auto: on a GPU the CPUs this process may use
+    # over the learner ranks, at most 8; without a GPU 1
+    host_fold_threads: int = 0
     # Outside the scope where streaming is exact (these four): any value but the default is refused (ScopeError)
     ppo_epochs: int = 1  # later epochs see moved weights (ratio != 1)
     mini_batches_per_round: int = 1  # several optimizer steps per round (refused: not exact)

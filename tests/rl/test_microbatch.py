@@ -155,6 +155,8 @@ def test_host_buffers_folded_by_a_thread_are_the_inline_sums(tiny64, scored):
         sl.drain()
         out[threaded] = sl.close_round()
         assert sl.host_fold.folds > 0 and (sl.host_fold._thread is None)  # closed at round close
+        if threaded:  # an open group's members fold into S_r and S_1 from one host copy
+            assert 0 < sl.host_fold.copies < sl.host_fold.folds
     assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
     params = [p for p in tiny64.parameters() if p.requires_grad]
     ref = torch.autograd.grad(lazy_loss(tiny64, scored, obj), params)

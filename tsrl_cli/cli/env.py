@@ -4,6 +4,7 @@ The command's stdout and stderr are passed through; a summary (exit code, durati
 that fired, the isolation) goes to stderr. `--json` prints one document instead.
 Exit codes: 0 the command ran (whatever its own exit code), 2 bad usage or no sandbox available,
 1 the docker executor's image could not be pulled (registry unreachable, credentials refused).
+`tsrl env pull`: every image the tasks of some datasets run in, pulled once (envs/pull.py).
 """
 
 from __future__ import annotations
@@ -137,3 +138,44 @@ def base_image(json_out: JsonOpt = False) -> None:
             raise UsageError(f"tsrl env base-image: {reason}")
         tag = ensure_base_image(lambda m: err_console.print(f"[dim]· {m}[/dim]", highlight=False))
     typer.echo(json.dumps({"image": tag}) if json_out else tag)
+
+
+@env_app.command("pull",
+                 epilog="Examples:  tsrl env pull swe_smith  ·  tsrl env pull swebench_verified --dry-run --json  ·  "
+                        "tsrl env pull seta_env --base-image ubuntu:24.04=$(tsrl env base-image)")
+def pull(
+    datasets: Annotated[list[str], typer.Argument(help="Prepared datasets (names under data/ or paths).")],
+    max_parallel_pulls: Annotated[int, typer.Option(help="Pulls at once.")] = 4,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="FROM_IMAGE=LOCAL_IMAGE: a Dockerfile FROM built from a local image is not pulled (repeatable; as tsrl train's).")] = None,
+    min_free_gib: Annotated[float, typer.Option(help="GiB the daemon's disk must keep free after the pulls.")] = 10.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what is missing and what it costs; pull nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pull every image the datasets' tasks run in, once, before a run needs them.
+
+    Resolves each task's image as its harness names it (SWE-bench's per-instance image, SWE-smith's
+    per-repository one, a terminal task's docker_image, else the FROM images its Dockerfile is built
+    from), asks each registry what the missing ones download, refuses in one line when the daemon's
+    disk cannot hold them, then pulls them a few at a time with progress.
+    Exit codes: 0 every image is here (or --dry-run), 1 a pull failed or the disk is too small,
+    2 a bad dataset, image name or option, or no Docker daemon.
+    """
+    from tsrl_cli.config import parse_base_images
+    from tsrl_cli.console import console, progress_printer
+    from tsrl_cli.envs.pull import pull_datasets
+
+    with cli_errors():
+        res = pull_datasets(list(datasets), base_images=parse_base_images(base_image or []),
+                            parallel=max_parallel_pulls,
+                            min_free_gib=min_free_gib, dry_run=dry_run, progress=progress_printer(not json_out))
+    if json_out:
+        typer.echo(json.dumps(res))
+        raise typer.Exit(0)
+    if dry_run:
+        for image in res["missing"]:
+            size = res["sizes"].get(image)
+            console.print(f"{image}\t{'unknown' if size is None else f'{size / 2**30:.2f} GiB'}", highlight=False,
+                          soft_wrap=True)
+    console.print(f"{res['images']} images: {res['present']} were here, {len(res['pulled'])} pulled"
+                  + (f", {len(res['missing'])} missing (dry run)" if dry_run else "")
+                  + f" · {res['seconds']:.0f} s", highlight=False)

@@ -62,8 +62,9 @@ class RoundGradAccumulator:
     templates: the tensors whose gradients are folded (parameters, or shards of them); grads
     arguments are lists aligned with them (None where a backward gave nothing for that tensor).
     dtype/device: the buffers' (default: buffer_dtype of each template, on its device).
-    fold: the axpy used to add into buffers (rl/ can make it asynchronous for host buffers; then
-    `sync` waits for it before any buffer is read).
+    fold: the axpy used to add into buffers, closes included (rl/ can make it asynchronous for host
+    buffers: it must then apply folds in the order they were made, as a close adds one buffer into
+    another through it; `sync` waits for every fold before the round buffer is read).
     """
 
     def __init__(self, templates: Sequence[torch.Tensor], center_on_first_reward: bool = True, *,
@@ -137,12 +138,11 @@ class RoundGradAccumulator:
     def close_group(self, group_id: Hashable, stats: GroupStats) -> None:
         """Group close, with mu and s from all its rewards: R += s * (S_r - (mu - b) S_1)."""
         g = self._groups.pop(group_id)
-        self._sync()
         if not g.norm_by_std and stats.scale != 1.0:
             raise ValueError(f"group {group_id!r}: opened without std normalization, closed with scale {stats.scale}")
         if g.s_r is not None:
-            axpy(self._round_buf(), g.s_r, stats.scale)
-        axpy(self._round_buf(), g.s_1, -(stats.mean - g.baseline) * stats.scale)
+            self._fold(self._round_buf(), g.s_r, stats.scale)
+        self._fold(self._round_buf(), g.s_1, -(stats.mean - g.baseline) * stats.scale)
 
     # ---- units with a deferred scalar (OPD seq-mean-token-mean) ---------------------------
     def add_to_unit(self, unit_id: Hashable, grads: Sequence[torch.Tensor | None]) -> None:
@@ -155,8 +155,7 @@ class RoundGradAccumulator:
     def close_unit(self, unit_id: Hashable, scale: float) -> None:
         buf = self._units.pop(unit_id, None)
         if buf is not None:
-            self._sync()
-            axpy(self._round_buf(), buf, scale)
+            self._fold(self._round_buf(), buf, scale)
 
     # ---- everything whose scalar is already known ----------------------------------------
     def add(self, grads: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:

@@ -2,11 +2,25 @@
 
 A fold is `buf += alpha * grads` with `buf` in pinned host memory and `grads` on the GPU. Done
 inline it would stall the learner on a device-to-host copy per backward. Here the learner records
-an event on its stream and queues the fold; one host thread copies the gradients on a copy stream
-(after that event) into pinned staging tensors and adds them on the CPU, while the GPU goes on with
-the next backward. The accumulator calls `sync()` before it reads any buffer (group close, unit
-close, round close), so every fold queued before a read is in the buffer when it is read.
-Folds run in the order they were queued (one thread), so the sums are the inline ones, bit for bit.
+an event on its device's current stream and queues the fold; one host thread copies the gradients
+on a copy stream of that same device (after that event) into pinned staging tensors and adds them
+on the CPU, while the GPU goes on with the next backward. The accumulator calls `sync()` before it
+reads any buffer (group close, unit close, round close), so every fold queued before a read is in
+the buffer when it is read. Folds run in the order they were queued (one queue), so the sums are
+the inline ones, bit for bit.
+
+The add is split into contiguous slices over `threads` CPU threads (`loss.host_fold_threads`):
+torch's kernels leave the GIL while they run, and each element's `b + alpha * g` is the same
+operation whichever thread does it, so the split changes the speed and never a bit. At 8B a fold
+is about 2e9 floats per rank of four (12 bytes each: buffer read and written, staged gradient
+read), which one thread adds at host memory speed of one core (results/LOG.md has the GB/s).
+
+GRPO folds each backward twice (S_r and S_1, `core.accumulator.add_member`): a fold of the very
+same gradient tensors as the fold before it (the same objects, as a queued fold already requires
+them not to change) reuses that fold's host copy: one device-to-host copy per backward, not two.
+
+A group's close (R += s * S_r ...) and an OPD unit's are folds of host buffers into R through the
+same queue, so they too leave the learner's thread, after every fold into those buffers.
 
 The gradients' memory is kept from the caching allocator until the copy is done (`record_stream`).
 Without CUDA there is nothing to overlap: the same class folds inline unless `threaded` is forced
@@ -15,41 +29,126 @@ Without CUDA there is nothing to overlap: the same class folds inline unless `th
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tsrl_cli.core.accumulator import axpy
+MAX_AUTO_THREADS = 8  # a parallel add saturates a socket's memory bandwidth at a few threads
+MIN_SLICE = 1 << 20  # elements: a smaller tensor is added whole (a thread hand-off costs more than its add)
+CAST_CHUNK = 1 << 18  # elements cast at a time when the gradient's dtype is not the buffer's (1 MiB of float32)
+
+
+def auto_threads(ranks_here: int, cuda: bool) -> int:
+    """loss.host_fold_threads 0: on a GPU, the CPUs this process may run on shared by the learner ranks of this
+    machine, at most MAX_AUTO_THREADS; without one, 1 (every process here computes with one thread,
+    processes.thread_env)."""
+    if not cuda:
+        return 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_THREADS, usable // max(1, ranks_here)))
+
+
+def slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of `parts` contiguous slices of n elements, each at least MIN_SLICE (one if n is small)."""
+    parts = max(1, min(parts, n // MIN_SLICE))
+    step = -(-n // parts)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def _add_slice(fb: torch.Tensor, fg: torch.Tensor, a: int, z: int, alpha: float) -> None:
+    """fb[a:z] += alpha * fg[a:z]. A gradient of another dtype (bf16 into float32 buffers) is cast CAST_CHUNK
+    elements at a time into one small reused tensor: a whole-slice cast allocates (and page-faults) a copy
+    as large as the slice, which measured 3x slower than the chunked cast here. The cast is exact, and the add
+    is the same operation on the same values, so the result is the unchunked one bit for bit."""
+    if fg.dtype == fb.dtype:
+        fb[a:z].add_(fg[a:z], alpha=alpha)
+        return
+    tmp = torch.empty(min(CAST_CHUNK, z - a), dtype=fb.dtype)
+    for s in range(a, z, CAST_CHUNK):
+        e = min(z, s + CAST_CHUNK)
+        t = tmp[:e - s]
+        t.copy_(fg[s:e])
+        fb[s:e].add_(t, alpha=alpha)
+
+
+class ParallelAxpy:
+    """buf += alpha * grads, each large tensor's add split over `threads` threads (this one included)."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = max(1, int(threads))
+        self._pool: ThreadPoolExecutor | None = None  # made at the first split add (again after a close)
+
+    def __call__(self, buf: list[torch.Tensor], grads: Sequence[torch.Tensor | None], alpha: float) -> None:
+        for b, g in zip(buf, grads, strict=True):
+            if g is None:
+                continue
+            g = g.to(device=b.device)
+            if not (b.is_contiguous() and g.is_contiguous()) or b.numel() < 2 * MIN_SLICE:
+                b.add_(g.to(dtype=b.dtype), alpha=alpha)
+                continue
+            fb, fg = b.view(-1), g.reshape(-1)
+            parts = slices(fb.numel(), self.threads)
+            if len(parts) > 1 and self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tsrl-fold")
+            futures = [self._pool.submit(_add_slice, fb, fg, a, z, alpha) for a, z in parts[1:]]
+            _add_slice(fb, fg, *parts[0], alpha)
+            for f in futures:
+                f.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 class HostFold:
-    def __init__(self, cuda: bool, threaded: bool | None = None):
+    """cuda: the gradients are on `device` (default: the current CUDA device) and the buffers in host memory.
+    threaded: fold on a host thread (default: when cuda). threads: CPU threads of each add."""
+
+    def __init__(self, cuda: bool, threaded: bool | None = None, *, device: torch.device | str | None = None,
+                 threads: int = 1):
         self.cuda = cuda
         self.threaded = cuda if threaded is None else threaded
+        self.device = None
+        if cuda:
+            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self._add = ParallelAxpy(threads)
         self._q: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stream = torch.cuda.Stream() if cuda else None
+        self._stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self._last: list | None = None  # the gradients of the previous fold (held, so no new tensor takes their ids)
+        self._staged: list | None = None  # its host copy, in the fold thread
         self.folds = 0
+        self.copies = 0  # device-to-host copies of a gradient list
+
+    @property
+    def threads(self) -> int:
+        return self._add.threads
 
     def __call__(self, buf: list[torch.Tensor], grads: Sequence[torch.Tensor | None], alpha: float) -> None:
         self.folds += 1
+        grads = list(grads)
+        last, self._last = self._last, grads
+        again = last is not None and len(last) == len(grads) and all(a is b for a, b in zip(last, grads, strict=True))
         if not self.threaded:
-            axpy(buf, grads, alpha)
+            self._add(buf, grads, alpha)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tsrl-host-fold", daemon=True)
             self._thread.start()
         event = None
-        if self.cuda:
+        on_device = [g for g in grads if g is not None and g.is_cuda]  # none for a close's host buffers
+        if on_device and not again:
             event = torch.cuda.Event()
-            event.record()
-            for g in grads:
-                if g is not None and g.is_cuda:
-                    g.record_stream(self._stream)
-        self._q.put((buf, list(grads), alpha, event))
+            event.record(torch.cuda.current_stream(self.device))
+            for g in on_device:
+                g.record_stream(self._stream)
+        self._q.put((buf, None if again else grads, alpha, event))
 
     def _run(self) -> None:
         while True:
@@ -59,19 +158,22 @@ class HostFold:
                     return
                 buf, grads, alpha, event = item
                 if self._error is None:
-                    axpy(buf, self._to_host(grads, event), alpha)
+                    if grads is not None:
+                        self._staged = self._to_host(grads, event)
+                    self._add(buf, self._staged, alpha)
             except BaseException as e:  # noqa: BLE001 - re-raised in the learner's thread by sync()
                 self._error = e
             finally:
                 self._q.task_done()
 
     def _to_host(self, grads: list, event) -> list:
-        if not self.cuda:
+        self.copies += 1
+        if event is None:  # nothing on the device: host tensors (a close) or no CUDA at all
             return grads
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(event)
-            host = [None if g is None else torch.empty(g.shape, dtype=g.dtype, pin_memory=True).copy_(g, non_blocking=True)
-                    for g in grads]
+            host = [g if g is None or not g.is_cuda
+                    else torch.empty(g.shape, dtype=g.dtype, pin_memory=True).copy_(g, non_blocking=True) for g in grads]
         self._stream.synchronize()
         return host
 
@@ -88,3 +190,5 @@ class HostFold:
             self._q.put(None)
             self._thread.join(timeout=5)
             self._thread = None
+        self._last = self._staged = None  # after the queue ran: a queued repeat fold reads _staged
+        self._add.close()

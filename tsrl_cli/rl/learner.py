@@ -48,7 +48,7 @@ from tsrl_cli.core.losses import (
 )
 from tsrl_cli.errors import ScopeError, UsageError
 from tsrl_cli.policy import forward_logprobs
-from tsrl_cli.rl.hostfold import HostFold
+from tsrl_cli.rl.hostfold import HostFold, auto_threads
 from tsrl_cli.rollouts import Rollout
 
 BUFFER_DEVICES = ("device", "cpu")
@@ -88,6 +88,8 @@ class Objective:
         if lc.buffer_device not in BUFFER_DEVICES:
             raise UsageError(f"buffer device {lc.buffer_device!r} is unknown; use device (beside the parameters) "
                              "or cpu (host memory)")
+        if lc.host_fold_threads < 0:
+            raise UsageError(f"host fold threads {lc.host_fold_threads}: must be >= 0 (0: auto)")
         if lc.buffer_dtype not in BUFFER_DTYPES:
             raise UsageError(f"buffer dtype {lc.buffer_dtype!r} is unknown; use float32 (float64 for a float64 "
                              "model) or bfloat16 (opt-in: half the bytes, not exact)")
@@ -272,7 +274,10 @@ class StreamLearner:
         lc = obj.loss
         # host buffers beside GPU gradients: folds leave the critical path (rl/hostfold.py)
         on_gpu = any(t.is_cuda for t in self.grads.templates)
-        self.host_fold = HostFold(cuda=on_gpu and lc.buffer_device == "cpu", threaded=threaded_host_fold)
+        host_gpu = on_gpu and lc.buffer_device == "cpu"
+        self.host_fold = HostFold(cuda=host_gpu, threaded=threaded_host_fold,
+                                  device=next((t.device for t in self.grads.templates if t.is_cuda), None),
+                                  threads=lc.host_fold_threads or auto_threads(world, host_gpu))
         self.acc = RoundGradAccumulator(self.grads.templates, dtype=None if lc.buffer_dtype == "float32" else torch.bfloat16,
                                         device="cpu" if lc.buffer_device == "cpu" else None,
                                         fold=self.host_fold, sync=self.host_fold.sync)

@@ -169,6 +169,22 @@ def from_images(dockerfile: str) -> list[str]:
     return [m.group(3) for line in dockerfile.splitlines() if (m := _FROM.match(line))]
 
 
+def external_from_images(dockerfile: str) -> list[str]:
+    """The FROM images a build must find or pull: neither an earlier stage's name (`FROM x AS y` ... `FROM y`)
+    nor `scratch`; each once, in order."""
+    stages, out = {"scratch"}, []
+    for line in dockerfile.splitlines():
+        m = _FROM.match(line)
+        if not m:
+            continue
+        if m.group(3).lower() not in stages and m.group(3) not in out:
+            out.append(m.group(3))
+        alias = re.match(r"\s+AS\s+(\S+)", m.group(4), re.IGNORECASE)
+        if alias:
+            stages.add(alias.group(1).lower())
+    return out
+
+
 def task_image_tag(task_id: str, dir_sha256: str, base_images: dict[str, str] | None = None) -> str:
     """`tsrl-task-<id>:<dir sha 12>[-<mapping 8>]`, lower case and within Docker's name rules."""
     name = re.sub(r"[^a-z0-9_.-]+", "-", task_id.lower()).strip("-._")[:100] or "task"
