@@ -4,9 +4,9 @@
   bf16 gradient cast in chunks, a tensor too small to split, a non-contiguous buffer, a missing
   gradient), and the split is real: the slices cover every element once and the pool's threads did
   part of the adds
-- a fold of the very same gradient tensors as the fold before it reuses that host copy (GRPO's S_r
-  and S_1); a list whose tensor was replaced, as the learner group's hook does for each source rank,
-  is copied again (reusing it would fold the wrong gradient: the sums show it)
+- one gradient folded into several buffers (GRPO's S_r and S_1) is staged once; a list whose tensor
+  was replaced between folds, as the learner group's hook does for each source rank, is staged again
+  (the sums show the right gradient went in)
 - the copy stream is made on the learner's device and the event recorded on that device's stream
   (fakes of torch.cuda's classes: no GPU here)
 """
@@ -78,13 +78,12 @@ def stream_fold(hf: HostFold, bufs, grads_per_backward, mutate_list=False):
         if mutate_list:
             shared[:] = grads
             grads = shared
-        hf(bufs[0], grads, 0.5)
-        hf(bufs[1], grads, 1.0)
+        hf([(bufs[0], 0.5), (bufs[1], 1.0)], grads)
     hf.sync()
 
 
 @pytest.mark.parametrize("mutate_list", [False, True])
-def test_the_second_fold_of_a_backward_reuses_its_host_copy(mutate_list):
+def test_one_gradient_into_several_buffers_is_staged_once(mutate_list):
     backwards = [tensors(seed=s) for s in range(3)]
     bufs = [[torch.zeros_like(t) for t in backwards[0]] for _ in range(2)]
     ref = [[torch.zeros_like(t) for t in backwards[0]] for _ in range(2)]
@@ -104,9 +103,9 @@ def test_a_list_whose_tensor_was_replaced_is_copied_again():
     shared = list(a)
     bufs = [torch.zeros_like(t) for t in a]
     hf = HostFold(cuda=False, threaded=True)
-    hf(bufs, shared, 1.0)
+    hf([(bufs, 1.0)], shared)
     shared[0] = b[0]
-    hf(bufs, shared, 1.0)
+    hf([(bufs, 1.0)], shared)
     hf.close()
     assert hf.copies == 2 and torch.equal(bufs[0], a[0] + b[0]) and torch.equal(bufs[1], a[1] + a[1])
 
@@ -152,9 +151,8 @@ def test_the_copy_stream_and_event_live_on_the_learners_device(monkeypatch):
     hf._to_host = lambda grads, event: grads  # the pinned copy needs a GPU; the order and the sums do not
     g = [t.as_subclass(OnDevice) for t in tensors(seed=6)]
     buf = [torch.zeros_like(t.as_subclass(torch.Tensor)) for t in g]
-    hf(buf, g, 1.0)
-    hf(buf, g, 2.0)  # the same tensors: no second event, no second copy
-    hf(buf, [t.as_subclass(torch.Tensor).clone() for t in g], 1.0)  # host tensors (a close's): no event
+    hf([(buf, 1.0), (buf, 2.0)], g)  # one gradient into two buffers: one event, one copy
+    hf([(buf, 1.0)], [t.as_subclass(torch.Tensor).clone() for t in g])  # host tensors (a close's): no event
     hf.close()
     assert FakeStream.made == [torch.device("cuda", 3)]
     assert FakeEvent.recorded == [("current", torch.device("cuda", 3))]

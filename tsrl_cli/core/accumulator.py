@@ -48,6 +48,15 @@ def axpy(buf: list[torch.Tensor], grads: Sequence[torch.Tensor | None], alpha: f
             b.add_(g.to(device=b.device, dtype=b.dtype), alpha=alpha)
 
 
+Targets = Sequence[tuple[list[torch.Tensor], float]]  # (buffer, alpha) pairs one gradient is folded into
+
+
+def fold_into(targets: Targets, grads: Sequence[torch.Tensor | None]) -> None:
+    """buf += alpha * grads for each (buf, alpha) of targets: the inline fold."""
+    for buf, alpha in targets:
+        axpy(buf, grads, alpha)
+
+
 @dataclass
 class _OpenGroup:
     baseline: float  # b, the reward of the group's first fold (float64 Python scalar)
@@ -62,14 +71,15 @@ class RoundGradAccumulator:
     templates: the tensors whose gradients are folded (parameters, or shards of them); grads
     arguments are lists aligned with them (None where a backward gave nothing for that tensor).
     dtype/device: the buffers' (default: buffer_dtype of each template, on its device).
-    fold: the axpy used to add into buffers, closes included (rl/ can make it asynchronous for host
-    buffers: it must then apply folds in the order they were made, as a close adds one buffer into
+    fold(targets, grads): adds one gradient into each (buffer, alpha) of targets, closes included
+    (default fold_into; rl/ can make it asynchronous for host buffers, one device-to-host copy per
+    call: it must then apply folds in the order they were made, as a close adds one buffer into
     another through it; `sync` waits for every fold before the round buffer is read).
     """
 
     def __init__(self, templates: Sequence[torch.Tensor], center_on_first_reward: bool = True, *,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 fold: Callable[[list, Sequence, float], None] = axpy, sync: Callable[[], None] = lambda: None):
+                 fold: Callable[[Targets, Sequence], None] = fold_into, sync: Callable[[], None] = lambda: None):
         # center_on_first_reward=False gives the naive form (b = 0); kept only to measure why not.
         self.center = center_on_first_reward
         self.templates = list(templates)
@@ -131,8 +141,7 @@ class RoundGradAccumulator:
         if g.norm_by_std != norm_by_std:
             raise ValueError(f"group {group_id!r}: members disagree on norm_by_std")
         delta = float(reward) - g.baseline  # float64 on the host, exact at the reward's scale
-        self._fold(g.s_r if norm_by_std else self._round_buf(), grads, delta)
-        self._fold(g.s_1, grads, 1.0)
+        self._fold([(g.s_r if norm_by_std else self._round_buf(), delta), (g.s_1, 1.0)], grads)
         self._track()
 
     def close_group(self, group_id: Hashable, stats: GroupStats) -> None:
@@ -141,26 +150,26 @@ class RoundGradAccumulator:
         if not g.norm_by_std and stats.scale != 1.0:
             raise ValueError(f"group {group_id!r}: opened without std normalization, closed with scale {stats.scale}")
         if g.s_r is not None:
-            self._fold(self._round_buf(), g.s_r, stats.scale)
-        self._fold(self._round_buf(), g.s_1, -(stats.mean - g.baseline) * stats.scale)
+            self._fold([(self._round_buf(), stats.scale)], g.s_r)
+        self._fold([(self._round_buf(), -(stats.mean - g.baseline) * stats.scale)], g.s_1)
 
     # ---- units with a deferred scalar (OPD seq-mean-token-mean) ---------------------------
     def add_to_unit(self, unit_id: Hashable, grads: Sequence[torch.Tensor | None]) -> None:
         buf = self._units.get(unit_id)
         if buf is None:
             buf = self._units[unit_id] = self._zeros()
-        self._fold(buf, grads, 1.0)
+        self._fold([(buf, 1.0)], grads)
         self._track()
 
     def close_unit(self, unit_id: Hashable, scale: float) -> None:
         buf = self._units.pop(unit_id, None)
         if buf is not None:
-            self._fold(self._round_buf(), buf, scale)
+            self._fold([(self._round_buf(), scale)], buf)
 
     # ---- everything whose scalar is already known ----------------------------------------
     def add(self, grads: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:
         """R += scale * grads (KL / entropy terms, OPD turns, members of complete groups)."""
-        self._fold(self._round_buf(), grads, scale)
+        self._fold([(self._round_buf(), scale)], grads)
 
     def finalize(self, round_scale: float) -> list[torch.Tensor]:
         """Round close: Z * R, one tensor per template in the buffer dtype. All groups must be closed."""

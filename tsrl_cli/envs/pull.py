@@ -90,18 +90,14 @@ def _root_free(client) -> tuple[str | None, int | None]:
         return None, None
 
 
-def pull_plan(client, needs: dict[str, list[str]], *, sizes_of: Callable[[str], int] | None = None,
-              lookups: int = 8) -> PullPlan:
-    """What is missing and what it costs. sizes_of(image) -> bytes (default: ask its registry)."""
-    present = [i for i in needs if image_exists(client, i)]
-    missing = [i for i in needs if i not in present]
-    plan = PullPlan(needs, present, missing)
-
-    def size(image: str) -> int:
-        return sizes_of(image) if sizes_of else download_bytes(image_ref(image))
+def pull_plan(client, needs: dict[str, list[str]], *, lookups: int = 8) -> PullPlan:
+    """What is missing and what each missing image downloads (asked of its registry, `lookups` at once)."""
+    here = {i: image_exists(client, i) for i in needs}
+    missing = [i for i in needs if not here[i]]
+    plan = PullPlan(needs, [i for i in needs if here[i]], missing)
 
     with ThreadPoolExecutor(max(1, lookups)) as pool:
-        futures = {pool.submit(size, i): i for i in missing}
+        futures = {pool.submit(lambda i: download_bytes(image_ref(i)), i): i for i in missing}
         for f in as_completed(futures):
             image = futures[f]
             try:

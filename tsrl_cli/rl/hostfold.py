@@ -15,9 +15,8 @@ operation whichever thread does it, so the split changes the speed and never a b
 is about 2e9 floats per rank of four (12 bytes each: buffer read and written, staged gradient
 read), which one thread adds at host memory speed of one core (results/LOG.md has the GB/s).
 
-GRPO folds each backward twice (S_r and S_1, `core.accumulator.add_member`): a fold of the very
-same gradient tensors as the fold before it (the same objects, as a queued fold already requires
-them not to change) reuses that fold's host copy: one device-to-host copy per backward, not two.
+A fold takes every (buffer, alpha) its gradient goes into (GRPO's S_r and S_1,
+`core.accumulator.add_member`), so one device-to-host copy serves them all.
 
 A group's close (R += s * S_r ...) and an OPD unit's are folds of host buffers into R through the
 same queue, so they too leave the learner's thread, after every fold into those buffers.
@@ -36,6 +35,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from tsrl_cli.core.accumulator import Targets
 
 MAX_AUTO_THREADS = 8  # a parallel add saturates a socket's memory bandwidth at a few threads
 MIN_SLICE = 1 << 20  # elements: a smaller tensor is added whole (a thread hand-off costs more than its add)
@@ -121,34 +122,32 @@ class HostFold:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream(device=self.device) if cuda else None
-        self._last: list | None = None  # the gradients of the previous fold (held, so no new tensor takes their ids)
-        self._staged: list | None = None  # its host copy, in the fold thread
-        self.folds = 0
-        self.copies = 0  # device-to-host copies of a gradient list
+        self.folds = 0  # adds into a buffer
+        self.copies = 0  # gradient lists staged for them (one per call, whatever the number of targets)
 
     @property
     def threads(self) -> int:
         return self._add.threads
 
-    def __call__(self, buf: list[torch.Tensor], grads: Sequence[torch.Tensor | None], alpha: float) -> None:
-        self.folds += 1
-        grads = list(grads)
-        last, self._last = self._last, grads
-        again = last is not None and len(last) == len(grads) and all(a is b for a, b in zip(last, grads, strict=True))
+    def __call__(self, targets: Targets, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add grads into each (buffer, alpha) of targets (core.accumulator.fold_into's contract)."""
+        self.folds += len(targets)
+        grads, targets = list(grads), list(targets)
         if not self.threaded:
-            self._add(buf, grads, alpha)
+            for buf, alpha in targets:
+                self._add(buf, grads, alpha)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tsrl-host-fold", daemon=True)
             self._thread.start()
         event = None
         on_device = [g for g in grads if g is not None and g.is_cuda]  # none for a close's host buffers
-        if on_device and not again:
+        if on_device:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             for g in on_device:
                 g.record_stream(self._stream)
-        self._q.put((buf, None if again else grads, alpha, event))
+        self._q.put((targets, grads, event))
 
     def _run(self) -> None:
         while True:
@@ -156,11 +155,11 @@ class HostFold:
             try:
                 if item is None:
                     return
-                buf, grads, alpha, event = item
+                targets, grads, event = item
                 if self._error is None:
-                    if grads is not None:
-                        self._staged = self._to_host(grads, event)
-                    self._add(buf, self._staged, alpha)
+                    host = self._to_host(grads, event)
+                    for buf, alpha in targets:
+                        self._add(buf, host, alpha)
             except BaseException as e:  # noqa: BLE001 - re-raised in the learner's thread by sync()
                 self._error = e
             finally:
@@ -190,5 +189,4 @@ class HostFold:
             self._q.put(None)
             self._thread.join(timeout=5)
             self._thread = None
-        self._last = self._staged = None  # after the queue ran: a queued repeat fold reads _staged
         self._add.close()
