@@ -45,6 +45,8 @@ PRESETS = {  # Qwen3 shapes (from the published configs); random weights
 def build(preset: str, dtype, device, seed: int = 0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from tsrl_cli.policy import keep_float64_norms
+
     p = PRESETS[preset]
     cfg = Qwen3Config(vocab_size=p["vocab_size"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
                       num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
@@ -57,6 +59,8 @@ def build(preset: str, dtype, device, seed: int = 0):
             model = Qwen3ForCausalLM(cfg).to(dtype)
     finally:
         torch.set_default_dtype(old)
+    if dtype == torch.float64:  # Qwen3's RMSNorm computes in float32 otherwise: a float64 run would not be float64
+        keep_float64_norms(model)
     return model.eval()
 
 

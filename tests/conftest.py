@@ -98,6 +98,35 @@ def prepare_fixture():
     return run
 
 
+@pytest.fixture(scope="session")
+def tsrl_here():
+    """tsrl_here(*ARGS) -> the subprocess.CompletedProcess of `tsrl ARGS`, run in this process (typer's CliRunner).
+
+    For the runs a test does not strike: the uninterrupted reference, the `--resume` after a kill, the same
+    sweep again. It is the command's own code path (the CLI's parsing, config, run and --json summary), less
+    a new interpreter and, for `tsrl train`, a new forkserver that import torch again: about 10 s a run on 2
+    loaded cores. A run that is struck, or whose workers read a hook from the environment (a hold, a broken
+    fold), stays a subprocess: workers fork from this process's forkserver, which keeps the environment it
+    started with. An exception the command did not turn into an exit code is appended to stderr.
+    """
+    import subprocess
+    import traceback
+
+    from typer.testing import CliRunner
+
+    from tsrl_cli.cli import app
+
+    def run(*args) -> subprocess.CompletedProcess:
+        argv = [str(a) for a in args]
+        res = CliRunner().invoke(app, argv)
+        err = res.stderr
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            err += "".join(traceback.format_exception(res.exception))
+        return subprocess.CompletedProcess(["tsrl", *argv], res.exit_code, res.stdout, err)
+
+    return run
+
+
 @pytest.fixture
 def fixtures() -> Path:
     """tests/fixtures: small inputs in each source's real format, no hub access."""

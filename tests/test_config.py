@@ -47,7 +47,7 @@ def test_round_trip(tmp_path):
     (["noequals"], "key=value"),
     (["rollout.engine=sglang"], "not one of hf, vllm"),
     (["rollout.engine=vllm", "model.dtype=float64"], "vllm has no float64"),
-    (["rollout.engine=vllm", "lora.rank=8"], "vllm with lora.rank > 0 is not implemented"),
+    (["rollout.engine=vllm", "lora.rank=1024"], "vllm serves LoRA adapters up to rank 512"),
     (["rollout.engine=vllm", "rollout.vllm_memory_fraction=0"], "must be in \\(0, 1\\]"),
     (["lora.targets=q_proj"], "YAML list syntax"),
 ])

@@ -297,3 +297,30 @@ def test_bad_yaml_exit_2(tmp_path):
     p.write_text("rounds: [1,\n")
     res = run(str(p))
     assert res.exit_code == 2 and "not valid YAML" in res.stderr and res.stdout == ""
+
+
+# ---------------------------------------------------------------------------- the memory plan
+
+
+def test_doctor_runs_the_memory_plan_on_this_machines_devices(facts, tmp_path):
+    """`tsrl plan` inside doctor: one ok line when every process fits the machine's GPUs, one failed check with
+    its fix per process that does not (GPUs of 1 GiB: the CUDA allowance alone is 2 GiB), and the host judged
+    as this machine's memory even where the experiment states a larger one (devices.host_memory_gib)."""
+    from tsrl_cli.policy import tiny_qwen3_config
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tiny_qwen3_config(vocab_size=512, hidden=64, layers=2, max_positions=512).to_json_file(str(folder / "config.json"))
+    on_gpus = load_config(TINY, [f"model.policy_config={folder}", "devices.rollout=0", "devices.learner=1"])
+    ok = by_what(plan_checks(on_gpus, node(facts)), "memory plan")
+    assert ok.ok and "the fullest device is cuda:" in ok.detail
+    small = dataclasses.replace(node(facts), gpus=tuple(GPU(i, "small", 1 << 30) for i in range(8)))
+    bad = [c for c in plan_checks(on_gpus, small) if c.what.startswith("memory")]
+    assert {c.what for c in bad} == {"memory rollout on cuda:0", "memory learner on cuda:1"}
+    assert not any(c.ok for c in bad) and all("this machine's GPU" in c.detail and "tsrl plan" in c.fix for c in bad)
+    stated = load_config(TINY, [f"model.policy_config={folder}", "devices.host_memory_gib=1000000"])
+    tiny_host = dataclasses.replace(facts, memory_bytes=1 << 20)
+    [host] = [c for c in plan_checks(stated, tiny_host) if c.what.startswith("memory learner")]
+    assert not host.ok and "this machine's memory" in host.detail
+    builtin = plan_checks(load_config(TINY), facts)  # builtin models: no config.json to plan from, no memory line
+    assert not [c for c in builtin if c.what.startswith("memory")]

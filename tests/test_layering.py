@@ -277,6 +277,7 @@ def test_run_file_names_live_in_rundir():
 OPENER = "engines/load.py"
 # classes of engines/ with a generate() that are not engines, with the reason
 NOT_ENGINES = {"PolicyEngine": "the protocol itself", "TurnBatcher": "batches requests for an engine it is given",
+               "ContinuousBatcher": "admits requests into the running batch of an engine it is given",
                "_Guarded": "tsrl serve's locked view of the engine it was given"}
 
 
@@ -318,6 +319,29 @@ def test_engine_classes_are_constructed_only_in_the_opener():
     # positive control: the opener itself is seen constructing the engines it opens
     opened = {name for _, name in engine_constructions(ast.parse((ROOT / OPENER).read_text()), classes)}
     assert opened == {"HFEngine", "VLLMEngine", "OpenAIEngine"}
+
+
+# ---- a batcher is made by make_batcher only ---------------------------------------------------------------
+BATCHER_HOME = "engines/base.py"
+BATCHERS = {"TurnBatcher", "ContinuousBatcher"}
+
+
+def test_batchers_are_made_only_by_make_batcher():
+    """Train's engine and replicas, tsrl serve and evaluations all get their batcher from make_batcher, so
+    rollout.batching means the same everywhere."""
+    bad = []
+    for p in modules().values():
+        rel = str(p.relative_to(ROOT))
+        tree = ast.parse(p.read_text())
+        if rel == BATCHER_HOME:  # there: inside make_batcher only
+            tree = ast.Module([n for n in tree.body if getattr(n, "name", None) != "make_batcher"], [])
+        bad += [f"{rel}:{line}: constructs {name}; use {BATCHER_HOME} make_batcher"
+                for line, name in engine_constructions(tree, BATCHERS)]
+    assert bad == []
+    # positive control: make_batcher itself is seen constructing both
+    home = ast.parse((ROOT / BATCHER_HOME).read_text())
+    factory = next(n for n in home.body if getattr(n, "name", None) == "make_batcher")
+    assert {name for _, name in engine_constructions(factory, BATCHERS)} == BATCHERS
 
 
 # ---- the dtype names are listed in config.py only ----------------------------------------------------------

@@ -1,13 +1,13 @@
 """`tsrl plan`: the memory plan from a config.json alone.
 
-The learner's figure is PyTorch's memory tracker over fake tensors; here it is checked against the same tracker
-over real tensors (tiny Qwen3s from policy.tiny_qwen3_config, two sizes, within 10 %), against the physics it must
-show (the full-vocabulary logits, what checkpointing and chunking remove, 1/N of the state on N ranks), and the
-arithmetic beside it (buffer sets, micro-batch rows, vLLM's key/value bytes) against hand counts.
+The learner's and the teacher's figures are PyTorch's memory tracker over fake tensors; here they are checked
+against the same tracker over real tensors (tiny Qwen3s from policy.tiny_qwen3_config, two sizes, within 10 %),
+against the physics they must show (the full-vocabulary logits, what checkpointing and chunking remove, 1/N of the
+state on N ranks, the teacher's key/value cache), and the arithmetic beside them (buffer sets, micro-batch rows,
+vLLM's key/value and LoRA bytes, the CUDA allowance, the stated host) against hand counts.
 """
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -15,11 +15,20 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
+from tsrl_cli import plan as plan_mod
 from tsrl_cli.cli import app
 from tsrl_cli.config import LoRAConfig, load_config
-from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step
-from tsrl_cli.plan import buffer_sets, kv_bytes_per_token, microbatch_rows, plan_experiment
+from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step, teacher_scoring
+from tsrl_cli.plan import (
+    CUDA_RUNTIME_BYTES,
+    buffer_sets,
+    kv_bytes_per_token,
+    microbatch_rows,
+    plan_experiment,
+    vllm_lora,
+)
 from tsrl_cli.policy import build_from_config, model_config, tiny_qwen3_config
+from tsrl_cli.rl.teacher_worker import CACHE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "experiments" / "node8" / "models"
@@ -49,6 +58,32 @@ def test_fake_tensor_figure_equals_the_tracker_on_real_tensors(scale, settings):
     assert rel(*step) <= 0.10, step
     inf = [inference(tiny_qwen3_config(**cfg), torch.float32, rows, width, cache=True, fake=f)[0] for f in (True, False)]
     assert rel(*inf) <= 0.10, inf
+
+
+@pytest.mark.parametrize("scale", sorted(SCALES))
+def test_teacher_fake_figure_equals_the_tracker_on_real_tensors(scale):
+    """The teacher's costliest forward (TurnScorer's last chunk over a cached prefix) on fake and real tensors,
+    with chunks of 64 positions so that the prefix is cached first and the chunk extends it."""
+    cfg, _, width = SCALES[scale]
+    fake, real = (teacher_scoring(tiny_qwen3_config(**cfg), torch.float32, width, width // 4, chunk_tokens=64, fake=f)
+                  for f in (True, False))
+    assert rel(fake.peak, real.peak) <= 0.10, (fake.peak, real.peak)
+    assert (fake.param_bytes, fake.others_bytes) == (real.param_bytes, real.others_bytes)
+
+
+def test_the_teachers_figure_holds_its_cache_and_one_chunk_of_logits():
+    """Physics: the scored prefix's keys and values (2 x layers x KV heads x head_dim x 4 bytes per position) and
+    the last chunk's logits with their float32 log-softmax, never the whole turn's logits; a positive control
+    for the chunking: chunks as long as the turn hold the turn's logits, about 2 x turn x V x 4 bytes more."""
+    cfg = tiny_qwen3_config(vocab_size=16384, hidden=64, layers=2, max_positions=4096)
+    T, turn, V = 2048, 1024, 16384
+    kv = 2 * 2 * 2 * 16 * 4 * T
+    small = teacher_scoring(cfg, torch.float32, T, turn, chunk_tokens=64)
+    scoring = small.peak - small.param_bytes
+    assert kv + 2 * 64 * V * 4 <= scoring < kv + 4 * 64 * V * 4 + (1 << 20)
+    whole = teacher_scoring(cfg, torch.float32, T, turn, chunk_tokens=turn)
+    assert whole.peak - small.peak > 2 * (turn - 64) * V * 4 * 0.9
+    assert small.others_bytes == CACHE_BYTES - kv  # the rest of the byte cap may hold other trajectories' caches
 
 
 def test_positive_control_the_10_percent_check_catches_a_mistraced_micro_batch():
@@ -97,8 +132,10 @@ def test_buffer_sets_are_docs_arithmetic():
     assert buffer_sets(load_config(None, ["objective=opd"])) == 1  # token-mean: every turn's scalar is known
     opd = ["objective=opd", "loss.loss_agg=seq-mean-token-mean", "rollout.prompts_per_round=2",
            "rollout.group_size=4"]
-    assert buffer_sets(load_config(None, opd)) == 1 + 8
-    assert buffer_sets(load_config(None, [*opd, "loss.max_open_groups=3"])) == 4
+    assert buffer_sets(load_config(None, opd)) == 1  # learner.opd_unit trajectory: one row into R at each end
+    turn = [*opd, "learner.opd_unit=turn"]  # per-turn backwards: a unit buffer per open trajectory
+    assert buffer_sets(load_config(None, turn)) == 1 + 8
+    assert buffer_sets(load_config(None, [*turn, "loss.max_open_groups=3"])) == 4
 
 
 def test_microbatch_rows_follow_the_learner_caps():
@@ -160,14 +197,74 @@ def test_plan_of_a_cpu_experiment_json_and_exit_codes(tmp_path):
 def test_a_group_on_gpus_plans_every_rank_and_the_host(tmp_path):
     cfg = load_config(_tiny_experiment(tmp_path), ["devices.learner=4-5", "devices.rollout=0-1",
                                                     "loss.buffer_device=cpu"])
-    doc = plan_experiment(cfg, capacity_gib=1.0, host_gib=4.0)
+    doc = plan_experiment(cfg, capacity_gib=3.0, host_gib=4.0)
     by = {p["name"]: p for p in doc["processes"]}
     assert set(by) == {"learner-0", "learner-1", "engine-0", "engine-1", "host"}
     assert by["learner-0"]["device"] == "cuda:4" and by["learner-0"]["parts"]["streaming_buffers"] == 0
     host = by["host"]["parts"]
     sets, set_bytes = by["learner-0"]["counts"]["buffer_sets"], by["learner-0"]["parts"]["buffer_set"]
     assert host["learner_pinned_buffers"] == 2 * sets * set_bytes  # the buffers moved to host memory, both ranks
-    assert by["learner-0"]["capacity_bytes"] == 1 << 30 and doc["fits"] is True
+    assert by["learner-0"]["capacity_bytes"] == 3 << 30 and doc["fits"] is True
+    for name in ("learner-0", "engine-0"):  # every CUDA process carries the runtime allowance beside its tensors
+        p = by[name]
+        assert p["parts"]["cuda_runtime"] == CUDA_RUNTIME_BYTES
+        traced = p["parts"]["prefill"] + p["parts"]["weights"] if name == "engine-0" else \
+            max(p["parts"]["pass"], p["parts"]["step"])
+        assert p["peak_bytes"] - CUDA_RUNTIME_BYTES == traced
+    assert "cuda_runtime" not in by["host"]["parts"]
+    assert plan_experiment(cfg, capacity_gib=2.0, host_gib=4.0)["fits"] is False  # the allowance alone is 2 GiB
+
+
+def test_the_host_is_the_stated_one_unless_the_flag_says_otherwise(tmp_path):
+    exp = _tiny_experiment(tmp_path)
+    stated = plan_experiment(load_config(exp, ["devices.host_memory_gib=3.5"]))
+    assert {p["capacity_bytes"] for p in stated["processes"]} == {int(3.5 * 2**30)}
+    assert stated["processes"][0]["capacity"] == "devices.host_memory_gib"
+    flag = plan_experiment(load_config(exp, ["devices.host_memory_gib=3.5"]), host_gib=0.001)
+    assert flag["fits"] is False and flag["processes"][0]["capacity"] == "--host-gib"
+    res = runner.invoke(app, ["plan", str(exp), "--json", "--set", "devices.host_memory_gib=0.001"])
+    assert res.exit_code == 1 and json.loads(res.stdout)["fits"] is False
+    bad = runner.invoke(app, ["plan", str(exp), "--set", "devices.host_memory_gib=0"])
+    assert bad.exit_code == 2 and "devices.host_memory_gib" in bad.output
+
+
+def test_vllm_lora_is_the_stacked_adapters_by_hand():
+    """Qwen3-8B, rank 16 on the seven projections: per layer r x (in + out) of q (4096 -> 4096), k and v
+    (4096 -> 1024), o (4096 -> 4096), gate and up (4096 -> 12288), down (12288 -> 4096); 36 layers, bf16: PEFT's
+    43.6 M adapter parameters. Rank 12 is stacked at vLLM's rank 16 on the device (its own rank on the host);
+    tensor-parallel ranks split q/k/v/gate/up by their output and o/down by their input; vLLM wraps all seven
+    projections even when lora.targets names one."""
+    config = model_config(MODELS / "Qwen3-8B")
+    cfg = load_config(None, ["model.dtype=bfloat16", "lora.rank=16"])
+    per_layer = 8192 + 5120 + 5120 + 8192 + 16384 + 16384 + 16384
+    assert 36 * per_layer * 16 == 43_646_976
+    buffers = 4 * plan_mod.VLLM_PROFILE_TOKENS * 8 + 3 * plan_mod.VLLM_PROFILE_TOKENS * 16 * 4
+    device, host, counts = vllm_lora(cfg, config, tp=1)
+    assert device == 36 * per_layer * 16 * 2 + buffers and host == 36 * per_layer * 16 * 2
+    assert counts == {"lora_stacked_rank": 16, "max_loras": 1}
+    d12, h12, _ = vllm_lora(load_config(None, ["model.dtype=bfloat16", "lora.rank=12"]), config, tp=1)
+    assert d12 == device and h12 == 36 * per_layer * 12 * 2
+    # vLLM wraps every projection whatever lora.targets says (no target_modules): the host copy is the adapter's
+    d_q, h_q, _ = vllm_lora(load_config(None, ["model.dtype=bfloat16", "lora.rank=16", "lora.targets=[q_proj]"]),
+                            config, tp=1)
+    assert d_q == device and h_q == 36 * 8192 * 16 * 2
+    tp2 = (4096 + 2048) + 2 * (4096 + 512) + (2048 + 4096) + 2 * (4096 + 6144) + (6144 + 4096)
+    assert vllm_lora(cfg, config, tp=2)[0] == 36 * tp2 * 16 * 2 + buffers
+    assert vllm_lora(load_config(None, ["model.dtype=bfloat16"]), config, tp=1) == (0, 0, {})
+
+
+def test_a_vllm_engine_with_lora_gives_its_adapters_room_from_the_kv_cache(tmp_path):
+    """The plan of a vLLM engine with LoRA: the stacked adapters sit inside vLLM's fraction beside the weights, so
+    the key/value cache is that much smaller, and the host keeps each replica's adapter."""
+    keys = ["devices.rollout=0-1", "devices.learner=2", "rollout.engine=vllm", "rollout.vllm_memory_fraction=0.5"]
+    with_vllm = load_config(_tiny_experiment(tmp_path), [*keys, "lora.rank=4"])
+    no_lora = load_config(tmp_path / "exp.yaml", keys)
+    a, b = ({p["name"]: p for p in plan_experiment(c, capacity_gib=8.0, host_gib=64.0)["processes"]}
+            for c in (with_vllm, no_lora))
+    lora_dev, lora_host, _ = vllm_lora(with_vllm, model_config(tmp_path / "model"), tp=1)
+    assert a["engine-0"]["parts"]["lora"] == lora_dev > 0 and b["engine-0"]["parts"]["lora"] == 0
+    assert b["engine-0"]["parts"]["kv_cache"] - a["engine-0"]["parts"]["kv_cache"] == lora_dev
+    assert a["host"]["parts"]["engine_cpu_loras"] == 2 * lora_host
 
 
 @pytest.mark.parametrize("setup,msg", [
@@ -189,13 +286,23 @@ def test_bad_input_is_one_line_exit_2(tmp_path, setup, msg):
     assert res.exit_code == 2 and msg in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
+NODE8 = ["grpo_full", "grpo_lora", "opd_full", "opd_lora"]
+DEVICES = {"80 GB": 80e9 / 2**30, "141 GB": 141e9 / 2**30}  # 74.5 and 131.3 GiB: the marketed sizes, in bytes
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo_full", "grpo_lora", "opd_full", "opd_lora"])
-def test_node8_files_fit_an_80_gib_device(name):
-    """The node8 files on 80 GiB GPUs and a 2 TiB host (an 8-GPU H100/H200 server's); 141 GiB has more room."""
-    res = runner.invoke(app, ["plan", str(ROOT / "experiments" / "node8" / f"{name}.yaml"), "--capacity-gib", "80",
-                              "--host-gib", "2048", "--json"])
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert doc["fits"] and all(p["fits"] for p in doc["processes"])
-    assert math.isclose(doc["processes"][0]["capacity_bytes"], 80 * 2**30)
+@pytest.mark.parametrize("name", NODE8)
+def test_node8_files_fit_80_gb_and_141_gb_devices_and_their_stated_host(name):
+    """Every node8 process fits an 80 GB and a 141 GB device (80e9 and 141e9 bytes, less than such devices report
+    to CUDA) and the 2 TB host the files state, through the CLI with --json."""
+    for label, gib in DEVICES.items():
+        gib = float(f"{gib:.4f}")
+        res = runner.invoke(app, ["plan", str(ROOT / "experiments" / "node8" / f"{name}.yaml"),
+                                  "--capacity-gib", str(gib), "--json"])
+        assert res.exit_code == 0, (label, res.output)
+        doc = json.loads(res.stdout)
+        assert doc["fits"] and all(p["fits"] for p in doc["processes"]), label
+        host = [p for p in doc["processes"] if p["device"] == "cpu"]
+        assert all(p["capacity_bytes"] == 2048 * 2**30 for p in host)
+        assert all(p["capacity"] == "devices.host_memory_gib" for p in host)
+        assert all(p["capacity_bytes"] == int(gib * 2**30) for p in doc["processes"] if p["device"] != "cpu")

@@ -242,3 +242,118 @@ def test_async_uses_the_rollout_duration(tmp_path):
     doc = predict_trace(load_trace(f))
     assert doc["schedule"] == "async" and doc["async_s"] == pytest.approx(1.5)
     assert doc["sync_s"] == pytest.approx(0.5 + 0.7 + 0.1)  # sync/stream still use the last arrival
+
+
+# ---------------------------------------------------------------------------- OPD: the unit of a backward
+
+
+def _opd_run(d, unit=None, *, gap=0.5, b_at=2.0, marked=False):
+    """A stream OPD round recorded under learner.opd_unit `unit` (None: a config.yaml without the key).
+
+    Trajectory A: turn 0 (rows end at 10) scored at 1.0, turn 1 (end 30) at 3.0, A's end at 3.0 + gap, 30 tokens;
+    B: one turn (end 20) scored at b_at, its end at b_at + gap, 20 tokens. Measured turn costs 1, 2, 3 s over
+    the learner_work's 10 + 20 + 30 = 60 positions: 0.1 s a position. Step 0.5 s, weight sync 0.25 s.
+    marked: A1 and B0 carry `last` (the rollout knew as they closed that no turn follows)."""
+    d.mkdir()
+    ev = []
+    for gid, i, k, end, tok, at, cost in (("A", 0, 0, 10, 5, 1.0, 1.0), ("B", 0, 0, 20, 6, b_at, 2.0),
+                                         ("A", 0, 1, 30, 8, 3.0, 3.0)):
+        ev.append({"round": 1, "event": "item", "id": f"{gid}/{i}/t{k}", "group_id": gid, "sample_index": i,
+                   "turn": k, "finished_at_s": at, "learner_cost_s": cost, "tokens": tok, "loss_tokens": tok,
+                   "staleness": 0, "prefix_tokens": end, "last": marked and (gid, k) in (("A", 1), ("B", 0))})
+    ev += [{"round": 1, "event": "trajectory", "id": "A/0", "group_id": "A", "sample_index": 0,
+            "finished_at_s": 3.0 + gap, "tokens": 30},
+           {"round": 1, "event": "trajectory", "id": "B/0", "group_id": "B", "sample_index": 0,
+            "finished_at_s": b_at + gap, "tokens": 20},
+           {"round": 1, "event": "learner_work", "positions": 60, "trajectory_tokens": 50, "padded_tokens": 60},
+           {"round": 1, "event": "step", "start_s": 7.0, "end_s": 7.5},
+           {"round": 1, "event": "weight_sync", "start_s": 7.5, "end_s": 7.75},
+           {"round": 1, "event": "round_end", "at_s": 7.75, "learners": 1}]
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+    (d / "metrics.jsonl").write_text(json.dumps({"round": 1, "schedule": "stream", "step_time_s": 7.75}) + "\n")
+    (d / "config.yaml").write_text("name: x\nobjective: opd\n" + (f"learner:\n  opd_unit: {unit}\n" if unit else ""))
+    return d
+
+
+def test_opd_units_priced_by_hand(tmp_path):
+    """Per position (0.1 s): turn  A0 [1, 2], B0 [2, 4], A1 [4, 7] -> 7 + 0.75; 60 positions.
+    trajectory  B at its end 2.5: [2.5, 4.5]; A at 3.5 (row 30: 3 s): [4.5, 7.5] -> 8.25; 50 positions.
+    The lazy batch: 2 x 30 = 60 positions (6 s): sync = last arrival 3 + 6 + 0.75 = 9.75.
+    Here the turn unit wins: its last backwards start at the last turns' scores, before the ends."""
+    trace = load_trace(_opd_run(tmp_path / "run"))
+    assert trace.opd_unit == "turn"  # a config.yaml written before the key: the run backwarded turns
+    assert [i.positions for i in trace.rounds[0].items] == [10, 20, 30]  # prefix_tokens: the turn's end
+    doc = predict_trace(trace)
+    u = doc["opd_units"]
+    assert u["per_position_s"] == pytest.approx(0.1) and (u["lazy_positions"], u["trajectory_tokens"]) == (60, 50)
+    assert (u["turn"]["stream_s"], u["turn"]["positions"]) == (pytest.approx(7.75), 60)
+    assert (u["trajectory"]["stream_s"], u["trajectory"]["positions"]) == (pytest.approx(8.25), 50)
+    assert u["best"] == "turn" and u["turn"]["positions_over_lazy"] == pytest.approx(1.0)
+    assert doc["stream_s"] == pytest.approx(7.75) and doc["sync_s"] == pytest.approx(9.75)
+    assert doc["batch_work_s"] == pytest.approx(6.0) and doc["mean_abs_error_pct"] == pytest.approx(0.0)
+    what = predict_trace(trace, opd_unit="trajectory")  # the other unit: a what-if, the error stays as traced
+    assert what["what_if"] == {"opd_unit": "trajectory"} and what["stream_s"] == pytest.approx(8.25)
+    assert what["opd_unit"] == "trajectory" and what["mean_abs_error_pct"] == pytest.approx(0.0)
+    assert predict_trace(trace, opd_unit="turn")["what_if"] == {}  # the run's own unit is no what-if
+
+
+def test_opd_trajectory_unit_wins_when_the_learner_lags(tmp_path):
+    """B scored at 0.5, ends at once (gap 0): turn  B0 [0.5, 2.5], A0 queued [2.5, 3.5], A1 [3.5, 6.5] -> 7.25;
+    trajectory  B [0.5, 2.5], A at 3.0 [3.0, 6.0] -> 6.75: A0's backward was pure extra work."""
+    u = predict_trace(load_trace(_opd_run(tmp_path / "run", gap=0.0, b_at=0.5)))["opd_units"]
+    assert u["turn"]["stream_s"] == pytest.approx(7.25) and u["trajectory"]["stream_s"] == pytest.approx(6.75)
+    assert u["best"] == "trajectory"
+
+
+def test_opd_turns_marked_last_start_the_trajectory_row_at_their_scores(tmp_path):
+    """The same round with A1 and B0 marked last: trajectory  B at its last turn's scores 2.0: [2.0, 4.0]; A at 3.0:
+    [4.0, 7.0] -> 7.75, the turn unit's time with 50 positions instead of 60 (unmarked: 8.25, the test above)."""
+    trace = load_trace(_opd_run(tmp_path / "run", marked=True))
+    assert [i.last for i in trace.rounds[0].items] == [False, True, True]
+    u = predict_trace(trace)["opd_units"]
+    assert (u["trajectory"]["stream_s"], u["trajectory"]["positions"]) == (pytest.approx(7.75), 50)
+    assert u["turn"]["stream_s"] == pytest.approx(7.75)
+
+
+def test_opd_trajectory_run_is_drained_per_trajectory(tmp_path):
+    """Recorded under the trajectory unit: each trajectory one backward at its end, costing its turns' measured
+    costs summed (their shares of its row): B 2 s at 2.5 -> [2.5, 4.5]; A 1 + 3 s at 3.5 -> [4.5, 8.5] -> 9.25."""
+    trace = load_trace(_opd_run(tmp_path / "run", "trajectory"))
+    assert trace.opd_unit == "trajectory"
+    doc = predict_trace(trace)
+    assert doc["opd_unit"] == "trajectory" and doc["stream_s"] == pytest.approx(9.25)
+    assert doc["work_s"] == pytest.approx(6.0)
+
+
+def test_cli_opd_unit(tmp_path):
+    d = _opd_run(tmp_path / "run")
+    res = runner.invoke(app, ["predict", "--trace", str(d), "--opd-unit", "trajectory"])
+    assert res.exit_code == 0, res.output
+    assert "OPD units" in res.stdout and "opd_unit=trajectory" in res.stdout and "turn (best)" in res.stdout
+    res = runner.invoke(app, ["predict", "--trace", str(d), "--opd-unit", "turns"])
+    assert res.exit_code == 2 and "--opd-unit 'turns' is unknown" in res.stderr
+    p = tmp_path / "trace.csv"
+    p.write_text("finished_at_s,learner_cost_s\n1.0,2.0\n")
+    res = runner.invoke(app, ["predict", "--trace", str(p), "--opd-unit", "turn"])
+    assert res.exit_code == 2 and "no OPD turns" in res.stderr
+
+
+def test_the_one_learner_drain_is_the_general_one_step_for_step():
+    """_drain_one (tsrl calibrate's fit calls it ~500,000 times) against _drain_many on one learner: the same
+    end time and backward costs, bit for bit, on random rounds (ties, turns of one trajectory, slowdown,
+    per-backward cost, coalescing on and off). Positive control: the comparison sees coalescing switched off."""
+    import random
+
+    from tsrl_cli.predict import _drain_many, _drain_one
+
+    rng = random.Random(0)
+    differs = 0
+    for _ in range(3000):
+        trajs = [None] if rng.random() < 0.3 else [f"t{i}" for i in range(rng.randint(1, 6))]
+        jobs = [(rng.choice([rng.uniform(0, 5), float(rng.randint(0, 4))]), rng.uniform(1e-3, 0.5), rng.choice(trajs))
+                for _ in range(rng.randint(0, 30))]
+        slow, per, coalesce = rng.choice([0.0, rng.random()]), rng.choice([0.0, 0.01 * rng.random()]), rng.random() < 0.7
+        ca, cb = [], []
+        assert (_drain_one(jobs, slow, per, coalesce, ca), ca) == (_drain_many(jobs, 1, slow, per, coalesce, cb), cb)
+        differs += _drain_one(jobs, slow, per, True) != _drain_many(jobs, 1, slow, per, False)
+    assert differs > 100

@@ -36,6 +36,7 @@ DTYPES = ("float32", "float64", "bfloat16")  # model.dtype: learner, engine and 
 BUFFER_DTYPES = ("float32", "bfloat16")  # loss.buffer_dtype (float32 means float64 for a float64 model)
 OPTIMIZERS = ("adamw", "sgd")
 MASTER_DTYPES = ("auto", "float32", "float64", "none")  # optim.master_dtype
+OPD_UNITS = ("trajectory", "turn")  # learner.opd_unit
 CHAT_TEMPLATES = ("auto", "chatml")  # model.chat_template (agent/template.py make_renderer)
 
 
@@ -80,7 +81,11 @@ class RolloutConfig:
     tool_timeout_s: float = 10.0
     wall_clock_s: float = 600.0
     concurrency: int = 64  # agent sessions at once
-    max_batch: int = 16  # turn requests per engine call
+    # continuous: a turn joins the engine's running batch at its next decode step and returns when it ends
+    # (hf, vllm; engines/base.py ContinuousBatcher) | static: the turns waiting at that moment make one
+    # engine call, and the next call waits for it to end (TurnBatcher; engines without steps always)
+    batching: str = "continuous"
+    max_batch: int = 16  # turns in the engine at once (continuous: running; static: per engine call)
     batch_invariant: bool = False  # each request alone: bitwise reproducible in float32, slower
     executor: str = "local"  # sandbox executor: local | docker (docker.* below)
     # who plays the turns: policy (the engine) | oracle (each task's reference solution, written as the
@@ -203,6 +208,9 @@ class DevicesConfig:
     rollout: str | int = "cpu"  # the policy engine: one device, or one engine replica per device (cpu:N, 0-3)
     learner: str | int = "cpu"  # the model being trained, its optimizer and streaming buffers
     teacher: str | int | None = None  # OPD teacher (one device); None = the rollout side's first device
+    # tsrl plan: the host memory (GiB) of the machine the run is planned for, for host-memory buffers and CPU
+    # processes; None = this machine's (tsrl doctor always judges this machine's own)
+    host_memory_gib: float | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,11 @@ class LearnerConfig:
     # positions per chunk of the LM head, log-softmax and entropy, forward and backward (core.losses
     # chunked_token_logprobs): no full-vocabulary float32 tensor longer than that; None = all positions at once
     logits_chunk_tokens: int | None = None
+    # OPD, the unit of one backward: trajectory = a trajectory's teacher-scored turns wait and are backwarded in one
+    # row when it ends (the row its last turn's backward covers anyway: positions sum T_i, as the lazy batch);
+    # turn = each turn when its scores arrive (the technical report's per-turn learner), re-encoding its prefix:
+    # K equal turns cover about (K + 1)/2 x the positions (docs/streaming.md, "OPD: the unit of a backward")
+    opd_unit: str = "trajectory"
 
 
 @dataclass(frozen=True)
@@ -484,6 +497,7 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError("config key docker.base_images: set, but rollout.executor is "
                               f"{cfg.rollout.executor}; it maps the FROM lines of docker builds (rollout.executor=docker)")
     one_of("rollout.engine", cfg.rollout.engine, ("hf", "vllm", "openai"))
+    one_of("rollout.batching", cfg.rollout.batching, ("continuous", "static"))
     one_of("rollout.weight_sync_backend", cfg.rollout.weight_sync_backend, ("auto", "gloo", "nccl"))
     if cfg.rollout.engine == "openai" and not cfg.rollout.servers:
         raise ConfigError("config key rollout.servers: rollout.engine openai needs at least one server URL "
@@ -507,9 +521,9 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
         if cfg.model.dtype == "float64":
             raise ConfigError("config key rollout.engine: vllm has no float64; use model.dtype float32 or bfloat16, "
                               "or rollout.engine=hf for the float64 exactness checks")
-        if cfg.lora.rank > 0:
-            raise ConfigError("config key rollout.engine: vllm with lora.rank > 0 is not implemented (the adapters "
-                              "would need merging or vLLM's LoRA loader each round); use rollout.engine=hf")
+        if cfg.lora.rank > 512:  # vLLM's largest max_lora_rank (engines/vllm.py LORA_RANKS)
+            raise ConfigError(f"config key lora.rank: vllm serves LoRA adapters up to rank 512, got {cfg.lora.rank}; "
+                              "use a smaller rank or rollout.engine=hf")
         if not 0 < cfg.rollout.vllm_memory_fraction <= 1:
             raise ConfigError(f"config key rollout.vllm_memory_fraction: must be in (0, 1], got "
                               f"{cfg.rollout.vllm_memory_fraction}")
@@ -560,7 +574,11 @@ def validate_config(cfg: TrainConfig) -> TrainConfig:
                 (one_device if side == "teacher" else parse_devices)(spec, f"devices.{side}")
             except UsageError as e:
                 raise ConfigError(str(e)) from None
+    if cfg.devices.host_memory_gib is not None and not 0 < cfg.devices.host_memory_gib < float("inf"):
+        raise ConfigError(f"config key devices.host_memory_gib: must be a number of GiB > 0 (or null: this "
+                          f"machine's), got {cfg.devices.host_memory_gib}")
     one_of("learner.microbatch", cfg.learner.microbatch, ("auto", "on", "off"))
+    one_of("learner.opd_unit", cfg.learner.opd_unit, OPD_UNITS)
     if cfg.learner.logits_chunk_tokens is not None and cfg.learner.logits_chunk_tokens < 1:
         raise ConfigError(f"config key learner.logits_chunk_tokens: must be >= 1 positions (or null: all at once), "
                           f"got {cfg.learner.logits_chunk_tokens}")

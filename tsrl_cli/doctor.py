@@ -349,7 +349,8 @@ def _memory_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     nothing when the models' config.json cannot be read here (builtin models; the model checks say what is missing)."""
     try:
         plan = plan_experiment(cfg, gpus={g.index: g.memory_bytes for g in facts.gpus},
-                               host_gib=facts.memory_bytes / 2**30 if facts.memory_bytes else None)
+                               host_gib=facts.memory_bytes / 2**30 if facts.memory_bytes else None,
+                               host_source="this machine's memory")
     except UsageError:
         return []
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731

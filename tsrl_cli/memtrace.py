@@ -2,7 +2,8 @@
 
     learner_pass(config, shape)               one forward and backward of a micro-batch, as the learner runs it
     optimizer_step(shapes, dtype, foreach)    AdamW's step over tensors of those shapes (its moments appear here)
-    inference(config, dtype, rows, width)     a no-grad forward: an engine's prefill, the teacher scoring a turn
+    inference(config, dtype, rows, width)     a no-grad forward: an engine's prefill
+    teacher_scoring(config, dtype, width, turn)   the OPD teacher's costliest turn, through its own TurnScorer
 
 Fake tensors (torch._subclasses.fake_tensor.FakeTensorMode) carry shapes, dtypes and devices and no memory:
 the model of a config.json is built (policy.build_from_config) with no weights and no GPU. The tracker
@@ -38,12 +39,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tsrl_cli.config import LoRAConfig
-from tsrl_cli.core.losses import token_logprobs
 from tsrl_cli.policy import build_from_config, checkpoint_activations, forward_logprobs
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
 from tsrl_cli.rl.learner import LocalGrads
 from tsrl_cli.rl.masters import upcast_for_group
-
+from tsrl_cli.rl.teacher_worker import TurnScorer
 
 # Rows of full length, as the plan assumes (the largest micro-batch): transformers then passes no mask to
 # scaled_dot_product_attention (is_causal). It decides so from the mask's values, which fake tensors do not have, so
@@ -70,6 +70,21 @@ class _Tracker(_FrozenAware, MemTracker):
 
 class _GroupTracker(_FrozenAware, FSDPMemTracker):
     pass
+
+
+class _CallsTracker(_Tracker):
+    """MemTracker refuses a second top-level call of one module (it keeps statistics per module and call); the
+    teacher calls its model once per chunk, so the root's statistics are dropped before each call. The peak is
+    the tracker's own over every storage, which this leaves alone."""
+
+    def __init__(self, root):
+        super().__init__()
+        self._root = root
+
+    def _pre_fw_hook(self, module, inputs):
+        if module is self._root:
+            self.reset_mod_stats()
+        return super()._pre_fw_hook(module, inputs)
 
 
 def _fake_params(model) -> None:
@@ -237,18 +252,60 @@ def optimizer_step(shapes: list, dtype: torch.dtype, foreach: bool, fake: bool =
 
 
 def inference(config, dtype: torch.dtype, rows: int, width: int, *, keep: int = 0, cache: bool = False,
-              logprobs: bool = False, lora: LoRAConfig | None = None, fake: bool = True) -> tuple[int, int]:
+              lora: LoRAConfig | None = None, fake: bool = True) -> tuple[int, int]:
     """(peak bytes, parameter bytes) of a no-grad forward over (rows, width) tokens: logits at the last `keep`
-    positions (0: every position, as a prefill without logits_to_keep), the key/value cache when `cache`, and
-    the float32 log-softmax of the kept logits when `logprobs` (core.losses.token_logprobs, the teacher's)."""
+    positions (0: every position, as a prefill without logits_to_keep) and the key/value cache when `cache`."""
     with _traced_model(config, dtype, lora, fake) as model:
         tracker = _Tracker()
         tracker.track_external(model)
         vocab = model.get_input_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (rows, width))
         with torch.no_grad(), tracker:
-            out = model(input_ids=ids, use_cache=cache, logits_to_keep=keep)
-            if logprobs:
-                token_logprobs(out.logits, ids[:, width - out.logits.shape[1]:])
+            model(input_ids=ids, use_cache=cache, logits_to_keep=keep)
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         return _peak(tracker)[0], params
+
+
+@dataclass
+class TeacherTrace:
+    """The OPD teacher's costliest turn, in bytes, as measured by teacher_scoring."""
+
+    peak: int  # the weights, the scored trajectory's key/value cache and one chunk's transients
+    param_bytes: int
+    others_bytes: int  # other trajectories' caches TurnScorer may keep beside a full-length one (its byte cap's rest)
+    chunk_tokens: int
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """The tensors of a transformers Cache (each layer's keys and values)."""
+    return [v for layer in getattr(cache, "layers", []) for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+
+
+def teacher_scoring(config, dtype: torch.dtype, width: int, turn: int, *, chunk_tokens: int | None = None,
+                    fake: bool = True, device: str = "cpu", before_trace=None) -> TeacherTrace:
+    """The OPD teacher's costliest forward, through rl/teacher_worker.TurnScorer: the last chunk of a `turn`-token
+    turn ending a `width`-token prefix, with every earlier position's keys and values cached (the chunk's
+    forward, the cache growing to `width` tokens, the chunk's logits and their log-softmax). Scoring from
+    scratch or from a trajectory's cache runs the same last chunk; the earlier chunks hold less. The cached
+    prefix is built first, outside the tracker, and counted as memory the tracker found alive; `before_trace` is
+    called between the two (experiments/plan_vs_cuda.py resets CUDA's peak there)."""
+    with _traced_model(config, dtype, None, fake, device) as model:
+        scorer = TurnScorer(model, max_tokens=width, **({"chunk_tokens": chunk_tokens} if chunk_tokens else {}))
+        chunk, key, ids = scorer.chunk_tokens, "costliest", [0] * width
+        cached = width - min(chunk, width - 1)  # positions before the last chunk
+        tracker = _CallsTracker(model)
+        tracker.track_external(model)
+        if cached >= 2:
+            scorer.chunk_tokens = cached  # the prefix in one forward, keeping its last position's logits
+            scorer.score_tensor(key, ids, cached - 1, cached)
+            scorer.chunk_tokens = chunk
+            st = scorer.open[key]
+            tracker.track_external(*_cache_tensors(st.past), st.last_logits)
+        if before_trace is not None:
+            before_trace()
+        with tracker:
+            scorer.score_tensor(key, ids, width - min(turn, chunk) if cached >= 2 else width - turn, width)
+        return TeacherTrace(peak=_peak(tracker)[0],
+                            param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                            others_bytes=max(0, scorer.max_bytes - width * scorer.bytes_per_token),
+                            chunk_tokens=chunk)

@@ -7,13 +7,19 @@ models' config.json alone (no weights, no GPU). The arithmetic is in docs/distri
              settings, and AdamW's step over this rank's tensors; added by arithmetic: AdamW's two moments in the
              optimizer's dtype, one process's float32 masters, the streaming buffers on the device (1 + 2k sets of
              this rank's trained elements) and a KL term's frozen reference.
-  engine-i   vllm: vLLM's own accounting. It takes rollout.vllm_memory_fraction of the device; the weights, its
-             profile forward and the key/value cache of one max_model_len sequence must fit in that. hf: measured,
-             the prefill of rollout.max_batch full-length requests (their key/value cache and logits).
-  teacher    measured: a turn scored from scratch over a full-length prefix, plus the caches the scorer keeps.
-  host       pinned streaming buffers of ranks on GPUs (loss.buffer_device cpu) and rank 0's copy of the policy.
+  engine-i   vllm: vLLM's own accounting. It takes rollout.vllm_memory_fraction of the device; the weights, LoRA's
+             stacked adapters, its profile forward, the CUDA allowance and the key/value cache of one max_model_len
+             sequence must fit in that. hf: measured, the prefill of rollout.max_batch full-length requests.
+  teacher    measured: the costliest forward of rl/teacher_worker.TurnScorer (a full-length prefix's last chunk),
+             plus the other trajectories' caches its byte cap allows beside it.
+  host       pinned streaming buffers of ranks on GPUs (loss.buffer_device cpu), rank 0's copy of the policy, vLLM's
+             host copies of the LoRA adapters.
 
-Processes on one device share it: each process `fits` when all of that device's processes together fit.
+Every process on a CUDA device gets CUDA_RUNTIME_BYTES on top of what the tracker measures (the CUDA context,
+library workspaces, NCCL's buffers, allocator slack), inside vLLM's fraction for an engine. Processes on one device
+share it: each process `fits` when all of that device's processes together fit. Capacities: --capacity-gib for
+every CUDA device (else this machine's GPU of that index, else an 80 GB device); --host-gib, else
+devices.host_memory_gib (the host the run is planned for), else this machine's memory.
 """
 
 from __future__ import annotations
@@ -26,18 +32,30 @@ import torch
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
+from tsrl_cli.engines.vllm import lora_rank_cap
 from tsrl_cli.errors import UsageError
-from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step
-from tsrl_cli.policy import TORCH_DTYPES, model_config
+from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step, teacher_scoring
+from tsrl_cli.policy import TORCH_DTYPES, build_from_config, model_config
 from tsrl_cli.rl.masters import master_dtype
-from tsrl_cli.rl.teacher_worker import CACHE_BYTES
 
 GiB = 1 << 30
-DEFAULT_DEVICE_GIB = 80.0  # a CUDA device this machine does not have is taken to be this large (--capacity-gib)
-# vLLM's profile run: a forward over max_num_batched_tokens, logits for max_num_seqs; tsrl sets neither, so vLLM's
-# defaults for the LLM class on a GPU of 70 GiB or more apply (vllm/engine/arg_utils.py; not checked against 0.33)
+# a CUDA device this machine does not have is taken to be an 80 GB one (H100 class; 80e9 bytes, 74.5 GiB, less than
+# such a device reports to CUDA, so the difference is margin); --capacity-gib says otherwise
+DEFAULT_DEVICE_BYTES = 80 * 10**9
+# beside the tracked tensors, per process on a CUDA device: the CUDA context and its libraries' workspaces (cuBLAS,
+# cuDNN), NCCL's communicator buffers and the caching allocator's rounding and fragmentation. An allowance, not a
+# measurement here: experiments/plan_vs_cuda.py measures the context and the allocator's slack on a GPU
+CUDA_RUNTIME_BYTES = 2 * GiB
+# vLLM's profile run: a forward over max_num_batched_tokens, logits for max_num_seqs. tsrl sets max_num_seqs to
+# rollout.max_batch (rl/replicas.py) and leaves the token budget on a GPU to vLLM's default for the LLM class on a GPU
+# of 70 GiB or more (vllm/engine/arg_utils.py; not checked against 0.33)
 VLLM_PROFILE_TOKENS = 16384
-VLLM_PROFILE_SEQS = 1024
+# vLLM's LoRA (vllm/config/lora.py LoRAConfig): adapters held at once, as engines/vllm.py passes max_loras (one: the
+# round's policy); their stacked buffers come at engines.vllm.lora_rank_cap's rank
+VLLM_MAX_LORAS = 1
+# vLLM shards these layers by rows (ColumnParallelLinear: the output split over tensor-parallel ranks); the others
+# of Qwen3's decoder (o_proj, down_proj) by columns (RowParallelLinear: the input split)
+VLLM_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 @dataclass
@@ -87,17 +105,32 @@ def microbatch_rows(cfg: TrainConfig, world: int, width: int) -> int:
 
 def buffer_sets(cfg: TrainConfig) -> int:
     """Parameter-sized streaming buffers at the peak (docs/streaming.md, "Memory"): R, plus per open GRPO group S_r
-    and S_1 (S_1 alone for Dr. GRPO's `center`), per open OPD trajectory under seq-mean-token-mean one; k is
-    loss.max_open_groups or everything the round can open. sync backwards complete groups only: R alone."""
+    and S_1 (S_1 alone for Dr. GRPO's `center`), per open OPD trajectory under seq-mean-token-mean one (none under
+    learner.opd_unit trajectory: a trajectory's turns go to R in one row at its end); k is loss.max_open_groups or
+    everything the round can open. sync backwards complete groups only: R alone."""
     ro, lc = cfg.rollout, cfg.loss
     if cfg.schedule == "sync":
         return 1
     cap = lc.max_open_groups if lc.max_open_groups is not None else math.inf
     if cfg.objective == "grpo":
         return 1 + (2 if lc.adv_norm == "group" else 1) * int(min(cap, ro.prompts_per_round))
-    if lc.loss_agg == "seq-mean-token-mean":
+    if lc.loss_agg == "seq-mean-token-mean" and cfg.learner.opd_unit == "turn":
         return 1 + int(min(cap, ro.prompts_per_round * ro.group_size))
     return 1
+
+
+_TRACES: dict = {}
+
+
+def _traced(trace, first, *args, **kwargs):
+    """trace(first, *args, **kwargs), a fake-tensor trace of memtrace, once per process for the same inputs: a trace
+    is a pure function of the model's config and the shapes, so planning one experiment at several capacities
+    (`tsrl doctor`, tests) traces each process once. Keyed by the function itself and the inputs' text."""
+    head = first.to_json_string() if hasattr(first, "to_json_string") else repr(first)
+    key = (trace, head, repr(args), repr(sorted(kwargs.items())))
+    if key not in _TRACES:
+        _TRACES[key] = trace(first, *args, **kwargs)
+    return _TRACES[key]
 
 
 def _size(dtype: torch.dtype) -> int:
@@ -124,7 +157,7 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
                          entropy=cfg.loss.entropy_coef != 0,
                          passes=2 if cfg.objective == "grpo" and regularized and cfg.schedule != "sync" else 1,
                          master_dtype=masters, buffer_dtype=None if host_buffers else buf_dtype)
-    tr = learner_pass(config, shape)
+    tr = _traced(learner_pass, config, shape)
     b_opt = _size(tr.opt_dtype)
     opt_numel = sum(math.prod(s) for s in tr.opt_shapes)
     sets = buffer_sets(cfg)
@@ -138,7 +171,7 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
         "kl_reference": tr.param_numel * _size(dtype) if cfg.loss.kl_coef else 0,
     }
     pass_bytes = sum(parts.values())
-    step = optimizer_step(tr.opt_shapes, tr.opt_dtype, foreach=on_cuda) if adam else 2 * opt_numel * b_opt
+    step = _traced(optimizer_step, tr.opt_shapes, tr.opt_dtype, foreach=on_cuda) if adam else 2 * opt_numel * b_opt
     # beside the optimizer's own tensors during its step: the rest of the model, the reference, and one process's
     # round buffer R when its gradient is a cast of it (R is held by the caller until the step is done)
     resident = tr.param_bytes - (tr.trainable_bytes if tr.opt_is_model else 0) + parts["kl_reference"]
@@ -174,13 +207,44 @@ def kv_bytes_per_token(config, dtype: torch.dtype, tp: int = 1) -> int:
 
 def vllm_profile(cfg: TrainConfig, config) -> tuple[int, int]:
     """(peak, parameter bytes) of vLLM's profile forward, measured on the HF model of the same config."""
-    return inference(config, TORCH_DTYPES[cfg.model.dtype], 1, VLLM_PROFILE_TOKENS, keep=VLLM_PROFILE_SEQS)
+    return _traced(inference, config, TORCH_DTYPES[cfg.model.dtype], 1, VLLM_PROFILE_TOKENS,
+                     keep=min(cfg.rollout.max_batch, VLLM_PROFILE_TOKENS))
+
+
+def vllm_lora(cfg: TrainConfig, config, tp: int) -> tuple[int, int, dict]:
+    """(bytes on each device of a replica, bytes in its host memory, counts) of vLLM's LoRA. With no target_modules
+    (engines/vllm.py sets none) vLLM wraps every linear layer of the decoder, whatever lora.targets names
+    (vllm/lora/model_manager.py, utils.get_supported_lora_modules), and gives each `lora_a_stacked` (max_loras, 1,
+    r, in) and `lora_b_stacked` (max_loras, 1, out, r) in the model's dtype (vllm/lora/layers/base_linear.py
+    create_lora_weights), r = engines.vllm.lora_rank_cap(lora.rank), `in` or `out` split over tensor-parallel
+    ranks as the base layer is; beside them the punica wrapper's index buffers (four of max_num_batched_tokens
+    int64) and a forward's float32 shrink buffer (3 slices x tokens x r). On the host: the adapter vLLM keeps
+    loaded (max_cpu_loras, default max_loras), at its own rank and targets."""
+    if cfg.lora.rank == 0:
+        return 0, 0, {}
+    r = lora_rank_cap(cfg.lora.rank)
+    b = _size(TORCH_DTYPES[cfg.model.dtype])
+    with torch.device("meta"):
+        model = build_from_config(config, TORCH_DTYPES[cfg.model.dtype])
+    device = host = 0
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(mod, torch.nn.Linear) or mod is model.get_output_embeddings():
+            continue
+        n_in, n_out = mod.in_features, mod.out_features
+        split_in, split_out = (n_in, -(-n_out // tp)) if leaf in VLLM_COLUMN_PARALLEL else (-(-n_in // tp), n_out)
+        device += VLLM_MAX_LORAS * r * (split_in + split_out) * b
+        if leaf in cfg.lora.targets:
+            host += VLLM_MAX_LORAS * cfg.lora.rank * (n_in + n_out) * b
+    buffers = 4 * VLLM_PROFILE_TOKENS * 8 + 3 * VLLM_PROFILE_TOKENS * r * 4
+    return device + buffers, host, {"lora_stacked_rank": r, "max_loras": VLLM_MAX_LORAS}
 
 
 def vllm_process(cfg: TrainConfig, config, name: str, device: str, tp: int, capacity: int, sessions: int,
-                 profile: tuple[int, int]) -> Process:
+                 profile: tuple[int, int], lora: tuple[int, int, dict] = (0, 0, {})) -> Process:
     """vLLM's accounting on one device of a replica (vllm's gpu_memory_utilization): it takes fraction x capacity
-    whatever the load; inside that, weights/tp, its profile forward and at least one max_model_len sequence's
+    whatever the load; inside that, weights/tp, LoRA's stacked adapters, its profile forward, the CUDA allowance
+    (vLLM counts the memory torch does not allocate inside the fraction) and at least one max_model_len sequence's
     key/value cache must fit (else vLLM refuses to start), and what is left is key/value cache."""
     dtype = TORCH_DTYPES[cfg.model.dtype]
     max_len = _trajectory_tokens(cfg, config)
@@ -188,11 +252,13 @@ def vllm_process(cfg: TrainConfig, config, name: str, device: str, tp: int, capa
     weights, act = params // tp, (peak - params) // tp
     per_token = kv_bytes_per_token(config, dtype, tp)
     budget = int(cfg.rollout.vllm_memory_fraction * capacity)
-    need = weights + act + per_token * max_len
-    kv = max(0, budget - weights - act)
-    parts = {"weights": weights, "profile_activations": act, "kv_cache": kv, "gpu_memory_utilization": budget}
+    fixed = weights + lora[0] + act + CUDA_RUNTIME_BYTES
+    need = fixed + per_token * max_len
+    kv = max(0, budget - fixed)
+    parts = {"weights": weights, "lora": lora[0], "profile_activations": act, "cuda_runtime": CUDA_RUNTIME_BYTES,
+             "kv_cache": kv, "gpu_memory_utilization": budget}
     counts = {"kv_bytes_per_token": per_token, "max_model_len": max_len,
-              "full_length_sequences": kv // (per_token * max_len), "sessions": sessions}
+              "full_length_sequences": kv // (per_token * max_len), "sessions": sessions, **lora[2]}
     how = (f"vLLM's accounting: {cfg.rollout.vllm_memory_fraction:g} of the device; KV 2 x layers x kv_heads x "
            f"head_dim x bytes per token; profile forward of {VLLM_PROFILE_TOKENS} tokens measured")
     return Process(name, device, max(budget, need), how, parts, counts)
@@ -204,33 +270,36 @@ def hf_engine_process(cfg: TrainConfig, config, sessions: int) -> Process:
     prefill computes them. Named and placed by the caller."""
     rows = 1 if cfg.rollout.batch_invariant else min(cfg.rollout.max_batch, sessions)
     width = _trajectory_tokens(cfg, config)
-    peak, params = inference(config, TORCH_DTYPES[cfg.model.dtype], rows, width, keep=1, cache=True, lora=cfg.lora)
+    peak, params = _traced(inference, config, TORCH_DTYPES[cfg.model.dtype], rows, width, keep=1, cache=True,
+                           lora=cfg.lora)
     return Process("", "", peak, f"measured on fake CPU tensors: a prefill of {rows} x {width}",
                    {"weights": params, "prefill": peak - params}, {"rows": rows, "width": width, "sessions": sessions})
 
 
 def teacher_process(cfg: TrainConfig, config) -> Process:
-    """The teacher's worst turn: a trajectory's prefix scored from scratch (rl/teacher_worker.py TurnScorer), its
-    key/value cache built and the turn's logits kept and log-softmaxed, beside the caches the scorer keeps."""
+    """The teacher's costliest forward (memtrace.teacher_scoring: TurnScorer's last chunk of a full-length prefix,
+    the prefix's key/value cache and the chunk's logits), beside the other trajectories' caches its cap allows."""
     width = _trajectory_tokens(cfg, config)
-    keep = min(cfg.rollout.max_turn_tokens, width - 1) + 1
-    peak, params = inference(config, TORCH_DTYPES[cfg.model.dtype], 1, width, keep=keep, cache=True, logprobs=True)
-    return Process("teacher", device_of(cfg, "teacher"), peak + CACHE_BYTES,
-                   f"measured on fake CPU tensors: a {width}-token prefix scored, {keep} logits kept",
-                   {"weights": params, "scoring": peak - params, "kept_caches": CACHE_BYTES},
-                   {"prefix": width, "kept_logits": keep})
+    turn = min(cfg.rollout.max_turn_tokens, width - 1)
+    tr = _traced(teacher_scoring, config, TORCH_DTYPES[cfg.model.dtype], width, turn)
+    return Process("teacher", device_of(cfg, "teacher"), tr.peak + tr.others_bytes,
+                   f"measured on fake CPU tensors: the teacher's scorer, the last {tr.chunk_tokens}-position chunk "
+                   f"of a {width}-token prefix",
+                   {"weights": tr.param_bytes, "scoring": tr.peak - tr.param_bytes, "other_caches": tr.others_bytes},
+                   {"prefix": width, "turn": turn, "chunk_tokens": tr.chunk_tokens})
 
 
 # ---------------------------------------------------------------------------- the plan
 
 
-def _capacity(device: str, capacity_gib: float | None, host_gib: float | None,
+def _capacity(device: str, capacity_gib: float | None, host: tuple[float, str] | None,
               gpus: dict[int, int] | None = None) -> tuple[int, str]:
-    """(bytes, where that figure comes from) of a device: the flags, else this machine's GPU (`gpus`: index ->
-    bytes, default what torch sees) or memory, else DEFAULT_DEVICE_GIB for a GPU this machine lacks."""
+    """(bytes, where that figure comes from) of a device: --capacity-gib, or `host` (GiB, its source: --host-gib
+    or devices.host_memory_gib), else this machine's GPU (`gpus`: index -> bytes, default what torch sees) or
+    memory, else an 80 GB device for a GPU this machine lacks."""
     if device == "cpu":
-        if host_gib is not None:
-            return int(host_gib * GiB), "--host-gib"
+        if host is not None:
+            return int(host[0] * GiB), host[1]
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
     if capacity_gib is not None:
         return int(capacity_gib * GiB), "--capacity-gib"
@@ -240,40 +309,50 @@ def _capacity(device: str, capacity_gib: float | None, host_gib: float | None,
         gpus = {i: torch.cuda.get_device_properties(i).total_memory for i in range(n)}
     if index in gpus:
         return gpus[index], "this machine's GPU"
-    return int(DEFAULT_DEVICE_GIB * GiB), f"assumed {DEFAULT_DEVICE_GIB:g} GiB (no such GPU here; --capacity-gib)"
+    return DEFAULT_DEVICE_BYTES, "an 80 GB device assumed (no such GPU here; --capacity-gib)"
 
 
 def plan_experiment(cfg: TrainConfig, capacity_gib: float | None = None, host_gib: float | None = None,
-                    gpus: dict[int, int] | None = None) -> dict:
+                    gpus: dict[int, int] | None = None, host_source: str = "--host-gib") -> dict:
     """The memory plan: {"processes": [Process as a dict, ...], "fits": every process fits}. Capacities: `capacity_gib`
-    for every CUDA device and `host_gib` for the host, else this machine's (`gpus`: index -> bytes, as tsrl doctor
-    knows them; default what torch sees)."""
+    for every CUDA device; `host_gib` for the host (named `host_source`), else cfg.devices.host_memory_gib; else
+    this machine's (`gpus`: index -> bytes, as tsrl doctor knows them; default what torch sees)."""
     for flag, gib in (("--capacity-gib", capacity_gib), ("--host-gib", host_gib)):
         if gib is not None and not (math.isfinite(gib) and gib > 0):  # NaN and infinity are no capacity either
             raise UsageError(f"{flag} {gib:g}: must be a finite number of GiB > 0 (e.g. {flag} 80)")
     if cfg.loss.max_open_groups is not None and cfg.loss.max_open_groups < 0:  # else a negative count of buffer sets
         raise UsageError(f"loss.max_open_groups {cfg.loss.max_open_groups}: must be >= 0 (or unset: no cap)")
+    host_cap = (host_gib, host_source) if host_gib is not None else \
+        (cfg.devices.host_memory_gib, "devices.host_memory_gib") if cfg.devices.host_memory_gib is not None else None
     policy = _config(cfg, "policy")
     procs, host = learner_processes(cfg, policy)
     if cfg.rollout.engine != "openai":  # remote servers hold their own memory (plan them where they run)
         replicas = rollout_replicas(cfg)
         sessions = -(-cfg.rollout.concurrency // len(replicas))
-        traced = vllm_profile(cfg, policy) if cfg.rollout.engine == "vllm" else hf_engine_process(cfg, policy, sessions)
+        vllm = cfg.rollout.engine == "vllm"
+        traced = vllm_profile(cfg, policy) if vllm else hf_engine_process(cfg, policy, sessions)
+        lora = vllm_lora(cfg, policy, len(replicas[0])) if vllm else (0, 0, {})
+        if lora[1]:
+            host["engine_cpu_loras"] = len(replicas) * lora[1]
         for i, devs in enumerate(replicas):
             base = "rollout" if len(replicas) == 1 else f"engine-{i}"  # one device: the rollout process's own engine
             for j, d in enumerate(devs):
                 name = base if len(devs) == 1 else f"{base}.{j}"
-                if cfg.rollout.engine == "vllm":
+                if vllm:
                     procs.append(vllm_process(cfg, policy, name, d, len(devs),
-                                              _capacity(d, capacity_gib, host_gib, gpus)[0], sessions, traced))
+                                              _capacity(d, capacity_gib, host_cap, gpus)[0], sessions, traced, lora))
                 else:
                     procs.append(Process(name, d, traced.peak_bytes, traced.how, dict(traced.parts), dict(traced.counts)))
     if cfg.objective == "opd":
         procs.append(teacher_process(cfg, _config(cfg, "teacher")))
+    for p in procs:  # vLLM's own accounting has its allowance inside the fraction
+        if p.device != "cpu" and "gpu_memory_utilization" not in p.parts:
+            p.parts["cuda_runtime"] = CUDA_RUNTIME_BYTES
+            p.peak_bytes += CUDA_RUNTIME_BYTES
     if host:
         procs.append(Process("host", "cpu", sum(host.values()), "arithmetic: host-memory buffers and copies", host))
     for p in procs:
-        p.capacity_bytes, p.capacity = _capacity(p.device, capacity_gib, host_gib, gpus)
+        p.capacity_bytes, p.capacity = _capacity(p.device, capacity_gib, host_cap, gpus)
         p.device_bytes = sum(q.peak_bytes for q in procs if q.device == p.device)
         p.fits = p.device_bytes <= p.capacity_bytes
     return {"processes": [asdict(p) for p in procs], "fits": all(p.fits for p in procs)}

@@ -22,6 +22,12 @@ tokens); from a stream trace, Wb = W * B * T_max / sum(T_i). Without token count
   since D >= M and D >= W/L. With s = 0 the ceiling is 2 at balance (W/L == M), (M+W)/M when
   rollout dominates and (M+W)/W when learning does.
 
+OPD: the unit of a backward (learner.opd_unit). Under `turn` the items are the teacher-scored turns, a
+trajectory's queued turns sharing one backward over the latest turn's prefix; under `trajectory` each
+trajectory is one item, arriving at its end with the cost of one row over its last turn's prefix. Both
+units are also priced per token position (the trace's learner seconds / the positions its backwards
+covered, `learner_work`): `opd_units` in each OPD round, `--opd-unit` to predict with the other one.
+
 Traces: a run directory (events.jsonl + metrics.jsonl, docs/run-directory.md), an events.jsonl,
 or the minimal trace (CSV or JSONL rows with finished_at_s, learner_cost_s, optional round).
 Pure python: no torch, no numpy.
@@ -35,9 +41,11 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from tsrl_cli.config import OPD_UNITS
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rundir import DROP_LAST, EVENTS, METRICS, STRICT, RunDir, read_jsonl
 
@@ -47,8 +55,9 @@ class Item:
     finished_at_s: float  # arrival at the learner, seconds since the round started
     learner_cost_s: float  # seconds of learner work (forward + backward) for this item
     tokens: int | None = None  # the item's sequence length (padding-aware batch pricing), when known
-    positions: int | None = None  # token positions of this item's own backward (GRPO: T_i; OPD turn: prefix + turn)
+    positions: int | None = None  # token positions of this item's own backward (GRPO: T_i; OPD turn: its end)
     trajectory: str | None = None  # OPD: the trajectory of this turn (its queued turns share one backward)
+    last: bool = False  # OPD: the turn was known to be its trajectory's last as it closed (its row may start here)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,8 @@ class RoundTrace:
     batch_work_s: float | None = None  # sync traces: the measured padded batch backward (seconds)
     rollout_s: float | None = None  # the rollout side's generation time of this round (`rollout` event)
     batch_positions: int | None = None  # sync traces: token positions the batch backward computed (`learner_work`)
+    work_positions: int | None = None  # token positions the round's backwards covered, any schedule (`learner_work`)
+    ends: tuple[tuple[str, float, int | None], ...] = ()  # OPD: (trajectory, its end at the learner s, its tokens)
 
 
 @dataclass(frozen=True)
@@ -87,6 +98,7 @@ class Trace:
     rounds: tuple[RoundTrace, ...]
     measured_from: str | None = None
     padded_sync: bool = True  # the sync baseline backwards one padded batch (run config sync_batching)
+    opd_unit: str | None = None  # OPD: the run's learner.opd_unit (turn for runs before the key); None: unknown
 
 
 # ---------------------------------------------------------------------------- the model
@@ -107,8 +119,17 @@ def drain_time(items: tuple[Item, ...] | list[Item], learners: int = 1, *, rollo
 
 
 def _drain(jobs: list[tuple[float, float, str | None]], learners: int, rollout_slowdown: float,
-           per_backward_s: float, coalesce: bool) -> float:
-    """drain_time on (arrival s, cost s, trajectory) tuples: the fit calls it for every round at every step."""
+           per_backward_s: float, coalesce: bool, costs: list[float] | None = None) -> float:
+    """drain_time on (arrival s, cost s, trajectory) tuples: the fit calls it for every round at every step.
+    costs: when given, each backward's cost (its per_backward_s left out) is appended, in start order."""
+    if learners == 1:
+        return _drain_one(jobs, rollout_slowdown, per_backward_s, coalesce, costs)
+    return _drain_many(jobs, learners, rollout_slowdown, per_backward_s, coalesce, costs)
+
+
+def _drain_many(jobs: list[tuple[float, float, str | None]], learners: int, rollout_slowdown: float,
+                per_backward_s: float, coalesce: bool, costs: list[float] | None = None) -> float:
+    """_drain on any number of learners: a list of free times, the queue a list rebuilt when a backward coalesces."""
     arrivals = sorted(jobs, key=lambda j: j[0])
     free = [0.0] * learners  # when each learner is next free (real seconds)
     queue: list[tuple[float, float, str | None]] = []
@@ -125,6 +146,8 @@ def _drain(jobs: list[tuple[float, float, str | None]], learners: int, rollout_s
                     queue = [i for i in queue if i[2] != head[2]]
                 j = idle.pop(0)
                 free[j] = t + cost + per_backward_s
+                if costs is not None:
+                    costs.append(cost)
                 end = max(end, free[j])
         if k == n:  # nothing left to arrive: the queue waits for learners only
             if queue:
@@ -145,6 +168,67 @@ def _drain(jobs: list[tuple[float, float, str | None]], learners: int, rollout_s
     return end
 
 
+def _drain_one(jobs: list[tuple[float, float, str | None]], rollout_slowdown: float, per_backward_s: float,
+               coalesce: bool, costs: list[float] | None = None) -> float:
+    """_drain on one learner: the same floats from the same operations in the same order as _drain_many
+    (tests/test_predict.py checks it on random rounds), about 3x faster: `tsrl calibrate`'s fit calls it some
+    500,000 times. The queue holds
+    indices into the arrivals; a coalesced backward marks its trajectory's other queued turns gone (skipped
+    when they reach the head) where _drain rebuilds the queue."""
+    arrivals = sorted(jobs, key=lambda j: j[0])
+    slow = 1.0 / (1.0 + rollout_slowdown)
+    queue: deque[int] = deque()
+    gone: set[int] = set()
+    queued: dict[str, deque[int]] = {}  # coalescing: each trajectory's queued indices, oldest first
+    live = 0  # queued and not gone
+    free = t = v = end = 0.0  # when the learner is next free, real time, the rollout's clock, the last end
+    n, k = len(arrivals), 0
+    while k < n or live:
+        if live and free <= t:  # idle: the head starts (coalescing, with its trajectory's queued turns)
+            h = queue.popleft()
+            while h in gone:
+                h = queue.popleft()
+            live -= 1
+            cost, traj = arrivals[h][1], arrivals[h][2]
+            if coalesce and traj is not None:
+                mine = queued[traj]
+                mine.popleft()  # h, the oldest of them
+                if mine:
+                    cost = max([cost] + [arrivals[i][1] for i in mine])
+                    gone.update(mine)
+                    live -= len(mine)
+                    mine.clear()
+            free = t + cost + per_backward_s
+            if costs is not None:
+                costs.append(cost)
+            if free > end:  # noqa: PLR1730  max(end, free): the builtin's call cost a quarter of this loop
+                end = free
+        if k == n:  # nothing left to arrive: the queue waits for the learner only
+            if live:
+                if not free > t:  # _drain's min() of no busy learner: a backward of zero cost
+                    raise ValueError("a backward of zero cost with turns still queued")
+                t = free
+            continue
+        busy = free > t
+        rate = slow if busy else 1.0
+        a = arrivals[k][0]
+        t_arrive = t + (a - v if a - v > 0.0 else 0.0) / rate  # noqa: FURB136  max(0.0, a - v), as above
+        t_free = free if busy else math.inf
+        if t_arrive <= t_free:
+            t = t_arrive
+            if a > v:  # noqa: PLR1730  max(v, a), as above
+                v = a
+            while k < n and arrivals[k][0] <= v:
+                if coalesce and arrivals[k][2] is not None:
+                    queued.setdefault(arrivals[k][2], deque()).append(k)
+                queue.append(k)
+                live += 1
+                k += 1
+        else:
+            v += (t_free - t) * rate
+            t = t_free
+    return end
+
 def padding_factor(items) -> float | None:
     """B * T_max / sum(T_i): padded token positions of one batch over real tokens (None: lengths unknown)."""
     toks = [i.tokens for i in items]
@@ -155,26 +239,33 @@ def padding_factor(items) -> float | None:
 
 def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int = 1,
                   batch_work_s: float | None = None, rollout_s: float | None = None,
-                  calibration: Calibration | None = None, batch_positions: int | None = None) -> dict:
+                  calibration: Calibration | None = None, batch_positions: int | None = None,
+                  stream_jobs: list[tuple[float, float, str | None]] | None = None, coalesce: bool = False,
+                  opd_unit: str = "turn", ends=()) -> dict:
     """Predicted step time of one round under each schedule (seconds), the speedup and its ceiling.
 
     `batch_work_s`: the lazy batch backward's measured seconds (sync traces); otherwise it is the
     items' work scaled by the padding factor when the items carry token counts, else their work.
     `calibration` (sync traces with item positions): stream's backwards are priced per position from
     the batch (batch_work_s / batch_positions), with the calibration's scale, per-backward cost and
-    rollout slowdown; the other schedules are as without it.
+    rollout slowdown; the other schedules are as without it. `stream_jobs`: stream's backwards as
+    (arrival s, cost s, trajectory), when they are not the items (an OPD unit, opd_jobs), drained with
+    `coalesce`; W is then their work. `opd_unit`, `ends`: the unit and trajectory ends of a calibrated OPD round.
     """
     makespan = max(0.0, max((i.finished_at_s for i in items), default=0.0))  # async items may predate the round
-    work = sum(i.learner_cost_s for i in items)
+    work = sum(i.learner_cost_s for i in items) if stream_jobs is None else sum(j[1] for j in stream_jobs)
     if batch_work_s is None:
         pf = padding_factor(items)
         batch_work_s = work * pf if pf is not None else work
     batch_per_learner = batch_work_s / learners
     t_sync = makespan + batch_per_learner + step_s + sync_s
-    if calibration is None:
-        t_stream = drain_time(items, learners) + step_s + sync_s
+    if calibration is not None:
+        t_stream = calibrated_drain(items, learners, batch_work_s, batch_positions, calibration, opd_unit, ends)
+    elif stream_jobs is not None:
+        t_stream = _drain(stream_jobs, learners, 0.0, 0.0, coalesce)
     else:
-        t_stream = calibrated_drain(items, learners, batch_work_s, batch_positions, calibration) + step_s + sync_s
+        t_stream = drain_time(items, learners)
+    t_stream += step_s + sync_s
     t_async = max(makespan if rollout_s is None else rollout_s, batch_per_learner + step_s) + sync_s
     return {
         "items": len(items), "learners": learners, "makespan_s": makespan, "work_s": work,
@@ -186,8 +277,9 @@ def predict_round(items, step_s: float = 0.0, sync_s: float = 0.0, learners: int
 
 
 def calibrated_drain(items, learners: int, batch_work_s: float, batch_positions: int | None,
-                     cal: Calibration) -> float:
-    """Stream's drain from a sync round's items, priced per position (Calibration's docstring)."""
+                     cal: Calibration, opd_unit: str = "turn", ends=()) -> float:
+    """Stream's drain from a sync round's items, priced per position (Calibration's docstring); an OPD
+    round's backwards as `opd_unit` runs them (turns, or one row per trajectory at its end)."""
     pos = [i.positions for i in items]
     if any(p is None for p in pos):
         raise UsageError("a calibrated prediction needs each item's backward positions (a sync run's events.jsonl "
@@ -198,8 +290,11 @@ def calibrated_drain(items, learners: int, batch_work_s: float, batch_positions:
             key = i.trajectory if i.trajectory is not None else id(i)
             traj[key] = max(traj.get(key, 0), i.positions)
         batch_positions = len(traj) * max(traj.values())
-    per_pos = batch_work_s / batch_positions
-    priced = [(i.finished_at_s, cal.cost_scale * per_pos * i.positions, i.trajectory) for i in items]
+    per_pos = cal.cost_scale * batch_work_s / batch_positions
+    if opd_unit == "trajectory" and any(i.trajectory is not None for i in items):
+        priced = opd_jobs(items, ends, "trajectory", per_pos)
+    else:
+        priced = [(i.finished_at_s, per_pos * i.positions, i.trajectory) for i in items]
     return _drain(priced, learners, cal.rollout_slowdown, cal.per_backward_s, True)
 
 
@@ -216,20 +311,108 @@ def what_if(items, learner_speed: float = 1.0, tool_speed: float = 1.0, spread: 
     trace does not split generation from tool time, so all of it scales). spread X: each arrival's
     deviation from the median arrival times X, clipped at 0 (nothing arrives before the round starts).
     """
+    _check_speeds(learner_speed, tool_speed, spread)
+    if not items:
+        return []
+    at = _what_if_clock(items, tool_speed, spread)
+    return [replace(i, finished_at_s=at(i.finished_at_s), learner_cost_s=i.learner_cost_s / learner_speed)
+            for i in items]
+
+
+def _check_speeds(learner_speed: float, tool_speed: float, spread: float) -> None:
     for name, v in (("--learner-speed", learner_speed), ("--tool-speed", tool_speed)):
         if not v > 0:
             raise UsageError(f"{name} must be > 0 (got {v})")
     if not spread >= 0:
         raise UsageError(f"--spread must be >= 0 (got {spread})")
-    if not items:
-        return []
+
+
+def _what_if_clock(items, tool_speed: float, spread: float):
+    """what_if's map of an arrival time (items' median as the centre), for items and OPD trajectory ends alike."""
     med = statistics.median(i.finished_at_s for i in items)
-    return [Item(max(0.0, med + spread * (i.finished_at_s - med)) / tool_speed, i.learner_cost_s / learner_speed,
-                 i.tokens) for i in items]
+    return lambda t: max(0.0, med + spread * (t - med)) / tool_speed
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b > 0 else None
+def _what_if_round(r: RoundTrace, learner_speed: float, tool_speed: float, spread: float) -> RoundTrace:
+    """A traced round through what_if: its items, OPD trajectory ends, batch and rollout seconds."""
+    if not r.items:
+        return r
+    at = _what_if_clock(r.items, tool_speed, spread)
+    return replace(r, items=tuple(what_if(r.items, learner_speed, tool_speed, spread)),
+                   ends=tuple((k, at(t), n) for k, t, n in r.ends),
+                   batch_work_s=None if r.batch_work_s is None else r.batch_work_s / learner_speed,
+                   rollout_s=None if r.rollout_s is None else r.rollout_s / tool_speed)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------------------- OPD: the unit of a backward
+
+
+def opd_trajectories(items, ends=()) -> dict[str, dict]:
+    """An OPD round's trajectories, from its turn items and `trajectory` events: {trajectory: {"end": s when
+    the learner knew its turns complete (the scores of a turn marked last as it closed; else its end, or its
+    last turn's scores where the trace has no end), "row": positions of one row over its last turn's prefix,
+    "tokens": T_i (None: unknown), "cost": its turns' learner s}}."""
+    out: dict[str, dict] = {}
+    marked: dict[str, float] = {}  # trajectory -> the scores of its turn marked last
+    for i in items:
+        if i.trajectory is None:
+            continue
+        t = out.setdefault(i.trajectory, {"end": i.finished_at_s, "row": 0, "tokens": None, "cost": 0.0})
+        t["end"] = max(t["end"], i.finished_at_s)
+        t["row"] = max(t["row"], i.positions or 0)
+        t["cost"] += i.learner_cost_s
+        if i.last:
+            marked[i.trajectory] = i.finished_at_s
+    for key, at, tokens in ends:
+        t = out.setdefault(key, {"end": at, "row": 0, "tokens": None, "cost": 0.0})  # also those without a turn
+        t["end"], t["tokens"] = max(t["end"], at), tokens
+    for key, at in marked.items():
+        out[key]["end"] = at
+    return out
+
+
+def opd_jobs(items, ends, unit: str, per_position_s: float | None = None) -> list[tuple[float, float, str | None]]:
+    """Stream's backwards of an OPD round under learner.opd_unit `unit`, as drain jobs (arrival s, cost s,
+    trajectory). turn: the turns at their scores; trajectory: one per trajectory at its end. Costs: the
+    items' own (per_position_s None: as traced; a trajectory's are its turns' summed), else each
+    backward's positions x per_position_s (a turn: its prefix; a trajectory: its row)."""
+    if unit == "turn":
+        return [(i.finished_at_s, i.learner_cost_s if per_position_s is None else per_position_s * (i.positions or 0),
+                 i.trajectory) for i in items]
+    return [(t["end"], t["cost"] if per_position_s is None else per_position_s * t["row"], key)
+            for key, t in opd_trajectories(items, ends).items() if t["row"] or t["cost"]]
+
+
+def per_position_s(r: RoundTrace) -> float | None:
+    """Learner seconds per token position in this round: the sync batch's (seconds / its positions), else
+    the items' costs over the positions the backwards covered (`learner_work`); None without positions."""
+    if r.batch_work_s is not None:
+        return r.batch_work_s / r.batch_positions if r.batch_positions else None
+    work = sum(i.learner_cost_s for i in r.items)
+    return work / r.work_positions if r.work_positions and work > 0 else None
+
+
+def price_opd_units(items, ends, learners: int, per_pos: float, overhead_s: float = 0.0) -> dict:
+    """Both OPD units on one round, every backward priced at its positions x per_pos: stream's step time
+    (drain + overhead_s) and positions under each, beside sum T_i and the lazy batch's B x T_max.
+    One row per backward, a trajectory's queued turns in one row (learner.microbatch auto on one process)."""
+    trajs = opd_trajectories(items, ends)
+    lengths = [t["tokens"] or t["row"] for t in trajs.values()]
+    out: dict = {"per_position_s": per_pos, "trajectory_tokens": sum(lengths),
+                 "lazy_positions": len(lengths) * max(lengths, default=0)}
+    for unit in OPD_UNITS:
+        costs: list[float] = []
+        drain = _drain(opd_jobs(items, ends, unit, per_pos), learners, 0.0, 0.0, unit == "turn", costs)
+        pos = round(sum(costs) / per_pos)
+        out[unit] = {"stream_s": drain + overhead_s, "positions": pos,
+                     "positions_over_lazy": _ratio(pos, out["lazy_positions"]),
+                     "positions_over_trajectory_tokens": _ratio(pos, out["trajectory_tokens"])}
+    out["best"] = min(OPD_UNITS, key=lambda u: (out[u]["stream_s"], out[u]["positions"]))
+    return out
 
 
 # ---------------------------------------------------------------------------- the command
@@ -237,32 +420,41 @@ def _ratio(a: float, b: float) -> float | None:
 
 def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | None = None,
                   learners: int | None = None, learner_speed: float = 1.0, tool_speed: float = 1.0,
-                  spread: float = 1.0, warmup: int = 4, calibration: Calibration | None = None) -> dict:
+                  spread: float = 1.0, warmup: int = 4, calibration: Calibration | None = None,
+                  opd_unit: str | None = None) -> dict:
     """Predict every round of a trace; the summary averages rounds after the warm-up.
 
     Flags override the trace's own step/sync/learner values; what the trace lacks defaults to
     step 0, sync 0, one learner. The measured comparison (run traces) is always made with the
-    trace as recorded; the what-if knobs change only the predictions.
+    trace as recorded; the what-if knobs change only the predictions. opd_unit: stream's OPD unit
+    (default: the run's learner.opd_unit); another than the run's is a what-if knob.
     """
     if learners is not None and learners < 1:
         raise UsageError(f"--learners must be >= 1 (got {learners})")
     for name, v in (("--step-s", step_s), ("--sync-s", sync_s)):
         if v is not None and v < 0:
             raise UsageError(f"{name} must be >= 0 (got {v})")
+    _check_speeds(learner_speed, tool_speed, spread)
+    opd = any(i.trajectory is not None for r in trace.rounds for i in r.items)
+    if opd_unit is not None:
+        if opd_unit not in OPD_UNITS:
+            raise UsageError(f"--opd-unit {opd_unit!r} is unknown; use one of {', '.join(OPD_UNITS)}")
+        if not opd:
+            raise UsageError(f"--opd-unit: {trace.source} has no OPD turns (items with turn and prefix_tokens)")
     knobs = {k: v for k, v in (("learners", learners), ("learner_speed", learner_speed),
                                ("tool_speed", tool_speed), ("spread", spread)) if v not in (None, 1.0)}
-    rounds = predict_rounds(trace, step_s=step_s, sync_s=sync_s, calibration=calibration)
+    if opd_unit is not None and opd_unit != recorded_unit(trace):
+        knobs["opd_unit"] = opd_unit
     if knobs and calibration is not None:
         raise UsageError("--calibration and the what-if knobs do not combine: the calibration was fitted on "
                          "this machine as traced")
+    rounds = predict_rounds(trace, step_s=step_s, sync_s=sync_s, calibration=calibration)
     if knobs:
-        for row, r in zip(rounds, trace.rounds):
+        changed = predict_rounds(trace, step_s=step_s, sync_s=sync_s, learners=learners, learner_speed=learner_speed,
+                                 tool_speed=tool_speed, spread=spread, opd_unit=opd_unit)
+        for row, new in zip(rounds, changed):
             row["as_traced"] = {k: row[k] for k in ("sync_s", "stream_s", "async_s", "speedup")}
-            items = what_if(r.items, learner_speed, tool_speed, spread)
-            bw = None if r.batch_work_s is None else r.batch_work_s / learner_speed
-            ro = None if r.rollout_s is None else r.rollout_s / tool_speed
-            row.update(predict_round(items, row["optimizer_step_s"], row["weight_sync_s"],
-                                     learners or r.learners or 1, batch_work_s=bw, rollout_s=ro))
+            row.update({k: v for k, v in new.items() if k not in ("measured_s", "predicted_s", "error_pct")})
     if not rounds:
         raise UsageError(f"{trace.source}: no rounds with items")
     counted = [r for r in rounds if r["round"] > warmup]
@@ -283,6 +475,10 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
     doc["speedup_async"] = _ratio(doc["sync_s"], doc["async_s"])
     doc["ceiling"] = ceiling(doc["makespan_s"], doc["work_s"], doc["batch_work_s"], doc["learners"],
                              doc["optimizer_step_s"] + doc["weight_sync_s"])
+    if opd:
+        doc["opd_unit"] = opd_unit or recorded_unit(trace)
+        doc["opd_unit_recorded"] = trace.opd_unit
+        doc["opd_units"] = _mean_opd_units([r.get("opd_units") for r in counted])
     errs = [abs(r["error_pct"]) for r in counted if r.get("error_pct") is not None]
     if errs:
         doc["measured_from"] = trace.measured_from
@@ -293,24 +489,72 @@ def predict_trace(trace: Trace, *, step_s: float | None = None, sync_s: float | 
     return doc
 
 
+def recorded_unit(trace: Trace) -> str:
+    """The OPD unit stream runs (or ran) with for this trace: the run's learner.opd_unit, else turn."""
+    return trace.opd_unit or "turn"
+
+
+def _mean_opd_units(blocks: list[dict | None]) -> dict | None:
+    """The rounds' opd_units, averaged (None when a round could not be priced: no positions in the trace)."""
+    if not blocks or any(b is None for b in blocks):
+        return None
+    out = {k: statistics.fmean(b[k] for b in blocks) for k in ("per_position_s", "trajectory_tokens", "lazy_positions")}
+    for unit in OPD_UNITS:
+        out[unit] = {k: statistics.fmean(b[unit][k] for b in blocks) for k in ("stream_s", "positions")}
+        out[unit]["positions_over_lazy"] = _ratio(out[unit]["positions"], out["lazy_positions"])
+        out[unit]["positions_over_trajectory_tokens"] = _ratio(out[unit]["positions"], out["trajectory_tokens"])
+    out["best"] = min(OPD_UNITS, key=lambda u: (out[u]["stream_s"], out[u]["positions"]))
+    return out
+
+
 def predict_rounds(trace: Trace, step_s: float | None = None, sync_s: float | None = None,
-                   calibration: Calibration | None = None) -> list[dict]:
-    """predict_round for every round as recorded; with the measured step time and the error
-    (predicted under the trace's own schedule minus measured, in % of measured) where known."""
+                   calibration: Calibration | None = None, *, learners: int | None = None,
+                   learner_speed: float = 1.0, tool_speed: float = 1.0, spread: float = 1.0,
+                   opd_unit: str | None = None) -> list[dict]:
+    """predict_round for every round, as recorded or through the what-if knobs (what_if, `learners`, and
+    stream's OPD unit `opd_unit`: by default the run's); as recorded, with the measured step time and the
+    error (predicted under the trace's own schedule minus measured, in % of measured) where known.
+
+    OPD rounds: stream's backwards follow the unit (opd_jobs): the run's own unit from the items' own
+    costs, another unit priced per position (per_position_s). Where the round can be priced per position,
+    `opd_units` prices both units (price_opd_units)."""
     if calibration is not None and trace.schedule != "sync":
         raise UsageError(f"--calibration predicts stream from a sync run's trace; {trace.source} was recorded "
                          f"under {trace.schedule or 'no schedule (a minimal trace)'}")
+    traced = recorded_unit(trace)
+    unit = opd_unit or traced
+    knobs = learners is not None or (learner_speed, tool_speed, spread) != (1.0, 1.0, 1.0) or unit != traced
     rows = []
     for r in trace.rounds:
+        r = _what_if_round(r, learner_speed, tool_speed, spread)
         st = step_s if step_s is not None else (r.step_s or 0.0)
         sy = sync_s if sync_s is not None else (r.sync_s or 0.0)
+        n_learners = learners or r.learners or 1
         bw = r.batch_work_s
         if bw is None and not trace.padded_sync:  # sync_batching per_item: sync does the items' own work
             bw = sum(i.learner_cost_s for i in r.items)
-        row = {"round": r.round, **predict_round(r.items, st, sy, r.learners or 1, batch_work_s=bw,
-                                                 rollout_s=r.rollout_s, calibration=calibration,
-                                                 batch_positions=r.batch_positions)}
-        if r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
+        opd = any(i.trajectory is not None for i in r.items)
+        jobs, coalesce, pp = None, False, per_position_s(r) if opd else None
+        if opd:
+            if unit != traced:  # the other unit: priced per position
+                if pp is None:
+                    raise UsageError(f"--opd-unit {unit}: round {r.round} of {trace.source} has no `learner_work` "
+                                     "positions to price the other unit's backwards by")
+                jobs, coalesce = opd_jobs(r.items, r.ends, unit, pp), unit == "turn"
+            elif unit == "trajectory":  # as traced: a trajectory's turns are one backward at its end
+                jobs = opd_jobs(r.items, r.ends, "trajectory")
+        block = price_opd_units(r.items, r.ends, n_learners, pp, st + sy) if pp else None
+        if bw is None and block is not None and traced == "trajectory":
+            # a stream trace of whole-trajectory rows: the lazy batch is their work scaled by B x T_max over the
+            # positions they covered (the padding factor, as for GRPO). Under `turn` the turns' own work stands in
+            # for it (re-encoding against padding: docs/reports.md, "Padding")
+            bw = pp * block["lazy_positions"]
+        row = {"round": r.round, **predict_round(r.items, st, sy, n_learners, batch_work_s=bw, rollout_s=r.rollout_s,
+                                                 calibration=calibration, batch_positions=r.batch_positions,
+                                                 stream_jobs=jobs, coalesce=coalesce, opd_unit=unit, ends=r.ends)}
+        if opd:
+            row["opd_unit"], row["opd_units"] = unit, block
+        if not knobs and r.measured_step_s is not None and trace.schedule in ("sync", "stream", "async"):
             pred = row[f"{trace.schedule}_s"]
             row.update(measured_s=r.measured_step_s, predicted_s=pred,
                        error_pct=100.0 * (pred - r.measured_step_s) / r.measured_step_s
@@ -423,7 +667,8 @@ def load_trace(path: str | Path) -> Trace:
             raise UsageError(f"{p}: not a run directory (no events.jsonl)")
         trace = _from_events(events.path, events.numbered(), run.rows(METRICS, DROP_LAST), kind="run")
         # the sync baseline's batching as the run's config says (the default, padded, where it predates the key)
-        return replace(trace, padded_sync=not run.started() or run.config().sync_batching != "per_item")
+        trace = replace(trace, padded_sync=not run.started() or run.config().sync_batching != "per_item")
+        return _with_opd_unit(trace, run)
     if not p.is_file():
         raise UsageError(f"--trace {p}: not found (a run directory, an events.jsonl or a CSV/JSONL trace)")
     if p.suffix.lower() == ".csv":
@@ -432,8 +677,17 @@ def load_trace(path: str | Path) -> Trace:
         return _from_minimal(p, rows)
     rows = read_jsonl(p, STRICT).numbered()
     if any("event" in row for _, row in rows):
-        return _from_events(p, rows, read_jsonl(p.with_name(METRICS), STRICT).rows, kind="events")
+        return _with_opd_unit(_from_events(p, rows, read_jsonl(p.with_name(METRICS), STRICT).rows, kind="events"),
+                              RunDir(p.parent))
     return _from_minimal(p, rows)
+
+
+def _with_opd_unit(trace: Trace, run: RunDir) -> Trace:
+    """An OPD trace with the unit stream ran (or would run) with: the run's config.yaml learner.opd_unit;
+    a run written before that key backwarded turns. None where no config.yaml is there."""
+    if not run.started() or not any(i.trajectory for r in trace.rounds for i in r.items):
+        return trace
+    return replace(trace, opd_unit=(run.config_dict().get("learner") or {}).get("opd_unit", "turn"))
 
 
 def _num(p: Path, n: int, row: dict, key: str, required: bool = True, negative_ok: bool = False) -> float | None:
@@ -486,7 +740,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
     for n, row in rows:
         r = rounds.setdefault(int(_num(p, n, row, "round")), {
             "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
-            "end": None, "stale": False, "padded": True, "rollout": None, "positions": None})
+            "end": None, "stale": False, "padded": True, "rollout": None, "positions": None, "ends": []})
         ev = row.get("event")
         if ev == "item":
             r["items"].append((n, row))
@@ -502,6 +756,10 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
             r["rollout"] = _span(p, n, row, allow_negative=True)
         elif ev == "learner_work" and row.get("positions"):
             r["positions"] = (r["positions"] or 0) + int(row["positions"])
+        elif ev == "trajectory" and row.get("group_id") is not None:  # OPD: a trajectory's end at the learner
+            tok = _num(p, n, row, "tokens", required=False)
+            r["ends"].append((f"{row['group_id']}/{row.get('sample_index')}", _num(p, n, row, "finished_at_s"),
+                              int(tok) if tok is not None else None))
         elif ev == "round_end":
             r["end"] = _num(p, n, row, "at_s", required=False)
             r["learners"] = int(row["learners"]) if row.get("learners") else None
@@ -523,7 +781,7 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
             continue
         out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k),
                               r["batch"] if r["has_batch"] else None, r["rollout"],
-                              r["positions"] if r["has_batch"] else None))
+                              r["positions"] if r["has_batch"] else None, r["positions"], tuple(r["ends"])))
     return Trace(str(p), kind, schedule, tuple(out), measured_from)
 
 
@@ -549,19 +807,19 @@ def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
             total = sum(tokens)
             shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
             costs = [r["batch"] * s for s in shares]
-    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t, *_backward_of(p, n, row))
+    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t, *_backward_of(p, n, row), bool(row.get("last")))
                  for (n, row), c, t in zip(rows, costs, lengths))
 
 
 def _backward_of(p: Path, n: int, row: dict) -> tuple[int | None, str | None]:
     """(positions, trajectory) of the item's own stream backward: a trajectory's tokens (GRPO), or an
-    OPD turn's prefix plus the turn, keyed by its trajectory; None where the event lacks them."""
-    tok = _num(p, n, row, "tokens", required=False)
+    OPD turn's `prefix_tokens` (the turn's end: its row covers the prefix and the turn), keyed by its
+    trajectory; None where the event lacks them."""
     if row.get("turn") is None:
+        tok = _num(p, n, row, "tokens", required=False)
         return (int(tok) if tok else None), None
     pre = _num(p, n, row, "prefix_tokens", required=False)
-    pos = int(pre + tok) if pre is not None and tok is not None else None
-    return pos, f"{row.get('group_id')}/{row.get('sample_index')}"
+    return (int(pre) if pre else None), f"{row.get('group_id')}/{row.get('sample_index')}"
 
 
 def streaming_of(run_dir: str | Path) -> dict:

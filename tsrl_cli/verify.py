@@ -175,7 +175,7 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
     if lc.activation_checkpointing:
         checkpoint_activations(model)
     sl = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens,
-                       max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens)
+                       max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens, opd_unit=lc.opd_unit)
     t0 = time.perf_counter()
     stream = feed(sl, items, queued)
     t_stream = time.perf_counter() - t0
@@ -251,7 +251,8 @@ def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOp
         group.shard(model, grads)
         sl = StreamLearner(model, obj, Counter(r.group_id for r, k in items if k in (None, 0)), grads=grads,
                            rank=rank, world=len(devices), max_tokens=lc.max_microbatch_tokens,
-                           max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens)
+                           max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens,
+                           opd_unit=lc.opd_unit)
         grads.emit(feed(sl, items, opts.queued), sl.zero_loss)
         full = {n: p.grad.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         mine = {"backwards": sl.backwards, "microbatches": len(sl.batches), "buffer_bytes_per_set": sl.acc.param_bytes,
@@ -362,6 +363,7 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "logits_chunk_tokens": lc.logits_chunk_tokens,
         "max_microbatch_tokens": lc.max_microbatch_tokens,
         "max_microbatch_items": lc.max_microbatch_items,
+        "opd_unit": lc.opd_unit if obj.kind == "opd" else None,
     }
     if ranks is not None:  # the sharded group's own figures (the single-process ones above are the reference's)
         result.update(stream_backwards=ranks[0]["backwards"], microbatches=ranks[0]["microbatches"],

@@ -65,7 +65,7 @@ def play(env, renderer, replies, max_turns=8):
 
     res = asyncio.run(run_agent(env, generate, renderer, group_id="g", sample_index=0,
                                 limits=AgentLimits(max_turns=max_turns, max_turn_tokens=512, max_trajectory_tokens=8192),
-                                on_turn=lambda traj, k: snapshots.append(list(traj.input_ids))))
+                                on_turn=lambda traj, k, last: snapshots.append(list(traj.input_ids))))
     parse_rollout(res.rollout.to_json(), "test")
     return res, sampled, snapshots
 

@@ -60,21 +60,29 @@ def slow(gen_delay_s=0.0, update_delay_s=0.0) -> SlowEngine:
 
 
 class HeldEngine(HFEngine):
-    """An hf engine whose first call waits, so that a test acts at a known moment instead of racing a
-    delay: `entered` is set once that call is inside the engine, and it waits for `go()` to be true."""
+    """An hf engine whose first call (an engine call of the static batcher, a step of the continuous one)
+    waits, so that a test acts at a known moment instead of racing a delay: `entered` is set once that
+    call is inside the engine, and it waits for `go()` to be true."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.entered, self.go, self.calls = threading.Event(), (lambda: True), 0
 
-    def generate(self, requests):
+    def _hold(self) -> None:
         self.calls += 1
         if self.calls == 1:
             self.entered.set()
             t0 = time.monotonic()
             while not self.go() and time.monotonic() - t0 < 60:
                 time.sleep(0.005)
+
+    def generate(self, requests):
+        self._hold()
         return super().generate(requests)
+
+    def step(self):
+        self._hold()
+        return super().step()
 
 
 def held() -> HeldEngine:
@@ -134,19 +142,23 @@ def servers():
         s.shutdown()
 
 
-def test_server_gives_the_engines_turns_to_concurrent_sessions(servers):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_server_gives_the_engines_turns_to_concurrent_sessions(servers, batching):
     reqs = requests()
     refs = engine().generate(reqs)
     eng = held()
-    srv = servers(eng)
-    # the first engine call computes once it holds two requests, or two more wait behind it (the next call's)
-    eng.go = lambda: srv.batcher.batches[0] > 1 or srv.batcher._q.qsize() >= 2
+    srv = servers(eng, batching=batching)
+    if batching == "static":  # the first engine call computes once it holds two requests, or two more wait behind it
+        eng.go = lambda: srv.batcher.batches[0] > 1 or srv.batcher._q.qsize() >= 2
+    else:  # the first step computes once two more requests wait: the next step admits them beside the running
+        eng.go = lambda: srv.batcher._q.qsize() >= 2
     client = OpenAIEngine([srv.url], log=print)
     outs = run_sessions(client, reqs)
     assert_same(outs, refs)
     assert {o.finish_reason for o in outs} == {"stop", "length"}  # both endings crossed the wire
     assert len({tuple(o.token_ids) for o in outs}) == len(outs)
-    assert max(srv.batcher.batches) > 1  # concurrent HTTP requests shared engine calls
+    # concurrent HTTP requests shared engine calls (static) or steps (continuous)
+    assert max(srv.batcher.batches) > 1 if batching == "static" else srv.batcher.peak_running > 1
     other = asyncio.run(client.generate(replace(reqs[0], params=replace(reqs[0].params, seed=1))))
     assert other.token_ids != outs[0].token_ids  # the comparison can fail: the seed matters
     client.close()
@@ -236,10 +248,11 @@ def test_failover_gives_the_healthy_servers_turns(servers):
     assert dying.url in str(e.value) and healthy.url in str(e.value) and "cannot connect" in str(e.value)
 
 
-def test_weight_sync_over_the_bus(servers):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_weight_sync_over_the_bus(servers, batching):
     store = serve_store()
     eng = slow(update_delay_s=0.03)  # ~0.5 s of bucket updates for completions to run into
-    srv = servers(eng, join_bus=WeightBus.join)
+    srv = servers(eng, join_bus=WeightBus.join, batching=batching)
     client = OpenAIEngine([srv.url])
     reqs = requests(4, max_tokens=8)
     old = engine().generate(reqs)
@@ -295,7 +308,8 @@ def test_weight_endpoints_without_a_bus(servers):
 def test_tsrl_serve_bad_input_is_one_error_line(tmp_path):
     for args, word in ([["--model", str(tmp_path / "nonexistent")], "not a model directory"],
                        [["--model", str(tmp_path), "--engine", "tgi"], "--engine"],
-                       [["--model", str(tmp_path), "--dtype", "float16"], "--dtype"]):
+                       [["--model", str(tmp_path), "--dtype", "float16"], "--dtype"],
+                       [["--model", str(tmp_path), "--batching", "dynamic"], "--batching"]):
         res = CliRunner().invoke(app, ["serve", *args])
         lines = res.stderr.strip().splitlines()
         assert res.exit_code == 2, res.output

@@ -1,5 +1,7 @@
 """SIGINT in `tsrl eval`: the records written so far stay whole, and the same command again runs only
-what is missing and ends with the records of an uninterrupted evaluation."""
+what is missing and ends with the records of an uninterrupted evaluation. The interrupted eval is a
+subprocess; the uninterrupted one and the run again are the same command in this process
+(conftest.tsrl_here)."""
 
 import json
 import signal
@@ -20,18 +22,18 @@ def _records(out: Path) -> list[dict]:
                   key=lambda r: (r["dataset"], r["instance_id"], r["sample"]))
 
 
-def test_sigint_then_the_eval_continues(suite, ckpt, tmp_path):
+def test_sigint_then_the_eval_continues(suite, ckpt, tsrl_here, tmp_path):
     sets = f"{suite / 'embedded_repair_heldout'},{suite / 'embedded_terminal_heldout'}"
 
     def cmd(out):  # one session at a time: each trajectory is then its own engine batch, deterministic
-        return [sys.executable, "-m", "tsrl_cli", "eval", "embedded", "--model", str(ckpt), "--datasets", sets,
-                "--concurrency", "1", "--samples", "2", "--out", str(out), "--json"]
+        return ["eval", "embedded", "--model", str(ckpt), "--datasets", sets, "--concurrency", "1", "--samples", "2",
+                "--out", str(out), "--json"]
 
-    ref = subprocess.run(cmd(tmp_path / "ref"), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    ref = tsrl_here(*cmd(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-2000:]
     out, ready = tmp_path / "out", tmp_path / "held"
     # held before its third trajectory (held_eval.py): the SIGINT lands mid-run, whatever the machine's load
-    held = [sys.executable, str(Path(__file__).with_name("held_eval.py")), str(ready), "2", "--", *cmd(out)[3:]]
+    held = [sys.executable, str(Path(__file__).with_name("held_eval.py")), str(ready), "2", "--", *cmd(out)]
     p = subprocess.Popen(held, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while not ready.exists():
@@ -42,7 +44,7 @@ def test_sigint_then_the_eval_continues(suite, ckpt, tmp_path):
     assert p.returncode == 130, (p.returncode, err[-2000:])
     partial = _records(out)  # every line whole
     assert len(partial) == 2 < len(_records(tmp_path / "ref"))
-    again = subprocess.run(cmd(out), cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    again = tsrl_here(*cmd(out))
     assert again.returncode == 0, again.stderr[-2000:]
     assert _records(out) == _records(tmp_path / "ref")
     assert json.loads((out / "summary.json").read_text())["all"] == json.loads((tmp_path / "ref" / "summary.json").read_text())["all"]

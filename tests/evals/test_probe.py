@@ -33,18 +33,25 @@ def _probe(setup, out, *extra, model=None):
                                "--out", str(out), "--json", *extra])
 
 
+@pytest.fixture(scope="module")
+def whole(setup, tmp_path_factory):
+    """One uninterrupted probe: (its folder, its --json document), read by the tests that need one."""
+    out = tmp_path_factory.mktemp("probe") / "full"
+    res = _probe(setup, out)
+    assert res.exit_code == 0, res.output
+    return out, json.loads(res.stdout)
+
+
 def _key(r):
     # what a trajectory sampled: everything but its timing
     return {k: v for k, v in r.items() if k not in ("duration_s", "tool_s")}
 
 
-def test_probe_json(setup, tmp_path):
-    res = _probe(setup, tmp_path / "o")
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+def test_probe_json(whole):
+    out, doc = whole
     assert doc["all"]["trajectories"] == 4 and len(doc["results"]) == 4 and doc["all"]["groups"] == 2
     assert 0.0 <= doc["all"]["success_rate"] <= 1.0 and "p50" in doc["duration_s"]
-    on_disk = json.loads((tmp_path / "o" / "summary.json").read_text())
+    on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["all"] == doc["all"] and "results" not in on_disk
 
 
@@ -68,20 +75,18 @@ def test_summary_by_hand():
     assert s["mean_group_variance"] == 0.125  # (0.25 + 0) / 2
 
 
-def test_probe_resume_equals_an_uninterrupted_probe(setup, tmp_path, monkeypatch):
+def test_probe_resume_equals_an_uninterrupted_probe(setup, whole, tmp_path, monkeypatch):
     """An interrupted probe (records cut after 1 of 4 trajectories, the last line torn) resumes: it samples only
     the 3 missing trajectories, and its records and summary equal those of one uninterrupted probe."""
     import tsrl_cli.evals.probe as probe_mod
 
-    res = _probe(setup, tmp_path / "full")
-    assert res.exit_code == 0, res.output
-    whole = json.loads(res.stdout)
-    lines = (tmp_path / "full" / "records.jsonl").read_text().splitlines()
+    full, whole = whole
+    lines = (full / "records.jsonl").read_text().splitlines()
     assert len(lines) == 4 and whole["resumed_trajectories"] == 0
 
     cut = tmp_path / "cut"
     cut.mkdir()
-    (cut / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
+    (cut / "config.json").write_text((full / "config.json").read_text())
     (cut / "records.jsonl").write_text(lines[1] + "\n" + lines[2][: len(lines[2]) // 2])  # killed mid-write
     started, real = [], probe_mod.make_env
     monkeypatch.setattr(probe_mod, "make_env", lambda *a, **kw: started.append(a[0].task_id) or real(*a, **kw))

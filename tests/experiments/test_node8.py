@@ -40,8 +40,9 @@ def test_loads_with_the_paper_protocol(name):
         assert device_of(cfg, "teacher") == "cuda:1" and cfg.model.teacher == "data/models/Qwen3-32B"
     assert cfg.lora.rank == (16 if lora else 0)
     assert cfg.loss.buffer_device == ("device" if lora else "cpu")
-    # vLLM with LoRA adapters is refused by the config: the LoRA files roll out with hf
-    assert cfg.rollout.engine == ("hf" if lora else "vllm")
+    # every row rolls out with vLLM (LoRA rows: vLLM's LoRA support) and the model's own chat template
+    assert cfg.rollout.engine == "vllm" and cfg.model.chat_template == "auto"
+    assert "  thinking: " in (NODE8 / name).read_text()  # stated, not left to the default
 
 
 @pytest.mark.parametrize("name", FILES)

@@ -105,7 +105,7 @@ def make_pair(root: Path, exp: str, seed: int, sigma: float, rounds: int = 8, op
             row = {"round": k, "event": "item", "finished_at_s": a, "tokens": t, "loss_tokens": t}
             if opd:
                 g, s = tr.split("/")
-                row.update(turn=0, prefix_tokens=0, group_id=g, sample_index=int(s))
+                row.update(turn=0, prefix_tokens=t, group_id=g, sample_index=int(s))
             ev.append(row)
         ev += [{"round": k, "event": "batch_backward", "start_s": last, "end_s": last + batch_s},
                {"round": k, "event": "learner_work", "positions": batch_pos},

@@ -179,17 +179,22 @@ def test_certified_in_every_schedule(toy_config, schedule, objective, extra):
     certified_rows(cfg.run_dir(), 2)
 
 
-def cli(out, *args, env=None):
+def train_args(out, *args):
     sets = [a for s in [*TOY, "model.dtype=float64"] for a in ("--set", s)]
-    return subprocess.run([sys.executable, "-m", "tsrl_cli", "train", *sets, "--out", str(out), "--json", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
+    return ["train", *sets, "--out", str(out), "--json", *args]
+
+
+def cli(out, *args, env=None):
+    return subprocess.run([sys.executable, "-m", "tsrl_cli", *train_args(out, *args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env=env, check=False)
 
 
 @pytest.mark.slow
-def test_learner_group_certified_every_round(toy_policies, tmp_path):
-    """`--learner-devices cpu:2 --set run.verify_every=1`: each rank compares its shards, the max over ranks."""
+def test_learner_group_certified_every_round(toy_policies, tsrl_here, tmp_path):
+    """`--learner-devices cpu:2 --set run.verify_every=1`: each rank compares its shards, the max over ranks
+    (the command in this process, conftest.tsrl_here: it needs no hook in its workers' environment)."""
     d = tmp_path / "run"
-    res = cli(d, "--learner-devices", "cpu:2", "--rounds", "3", "--set", "run.verify_every=1")
+    res = tsrl_here(*train_args(d, "--learner-devices", "cpu:2", "--rounds", "3", "--set", "run.verify_every=1"))
     assert res.returncode == 0, res.stderr[-3000:]
     m = certified_rows(d, 3)
     assert all(r["learner_ranks"] == 2 for r in m)

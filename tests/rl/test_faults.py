@@ -1,6 +1,8 @@
 """Faults, with nothing lost: `tsrl train` as a user runs it (a subprocess, the toy workload), killed in
 the ways a machine kills it; what was written stays readable and `--resume` ends on the weights of an
 uninterrupted run, bit for bit (sync schedule, float32, batch-invariant rollouts: deterministic).
+The runs that are not struck (the references, each `--resume`, the sweep run again) run the same
+command in this process (conftest.tsrl_here), which spares each a new interpreter and forkserver.
 
     kill -9 of the main process mid-round            its workers exit too; --resume
     kill -9 of the rollout, learner or teacher        one-line error naming it within seconds, no orphans; --resume
@@ -34,10 +36,14 @@ ROUNDS = 3
 HELD = 2
 
 
-def train_cmd(out: Path, objective: str, *extra: str) -> list[str]:
+def train_args(out: Path, objective: str, *extra: str) -> list[str]:
     sets = [a for s in TOY for a in ("--set", s)]
-    return [sys.executable, "-m", "tsrl_cli", "train", *sets, "--schedule", "sync", "--objective", objective,
-            "--rounds", str(ROUNDS), "--save-every", "1", "--out", str(out), "--json", *extra]
+    return ["train", *sets, "--schedule", "sync", "--objective", objective, "--rounds", str(ROUNDS),
+            "--save-every", "1", "--out", str(out), "--json", *extra]
+
+
+def train_cmd(out: Path, objective: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tsrl_cli", *train_args(out, objective, *extra)]
 
 
 def run(cmd, timeout=300) -> subprocess.CompletedProcess:
@@ -73,27 +79,27 @@ def same(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(toy_policies, tmp_path_factory):
+def reference(toy_policies, tsrl_here, tmp_path_factory):
     """Uninterrupted runs, one per objective: the weights every resumed run must end on."""
     out = {}
     for objective in ("grpo", "opd"):
         d = tmp_path_factory.mktemp("ref") / objective
-        res = run(train_cmd(d, objective))
+        res = tsrl_here(*train_args(d, objective))
         assert res.returncode == 0, res.stderr[-3000:]
         out[objective] = d
     return out
 
 
-def check_resumed(d: Path, objective: str, reference) -> None:
+def check_resumed(d: Path, objective: str, reference, tsrl_here) -> None:
     assert not (d / "DONE").exists()
-    res = run(train_cmd(d, objective, "--resume"))
+    res = tsrl_here(*train_args(d, objective, "--resume"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(1, ROUNDS + 1))  # nothing torn, nothing twice
     assert same(weights(d), weights(reference[objective]))
 
 
-def test_kill_9_of_the_main_process_mid_round(reference, tmp_path):
+def test_kill_9_of_the_main_process_mid_round(reference, tsrl_here, tmp_path):
     d, held = tmp_path / "run", tmp_path / "held"
     p = start(train_cmd(d, "grpo"), held)
     wait_for(lambda: held.exists() and rounds_done(d) == HELD - 1 and len(pids(d)) == 3, what="round 2 held")
@@ -101,11 +107,11 @@ def test_kill_9_of_the_main_process_mid_round(reference, tmp_path):
     os.kill(p.pid, signal.SIGKILL)
     p.wait(timeout=10)
     wait_for(lambda: not any(alive(q) for q in workers.values()), timeout=15, what="the workers to exit")
-    check_resumed(d, "grpo", reference)
+    check_resumed(d, "grpo", reference, tsrl_here)
 
 
 @pytest.mark.parametrize("victim,objective", [("rollout", "grpo"), ("learner", "grpo"), ("teacher", "opd")])
-def test_kill_9_of_a_worker(victim, objective, reference, tmp_path):
+def test_kill_9_of_a_worker(victim, objective, reference, tsrl_here, tmp_path):
     d, held = tmp_path / "run", tmp_path / "held"
     p = start(train_cmd(d, objective), held)
     n = 4 if objective == "opd" else 3
@@ -122,10 +128,10 @@ def test_kill_9_of_a_worker(victim, objective, reference, tmp_path):
     assert "--resume" in first and "Traceback" not in err and out == ""
     assert not any(alive(q) for q in workers.values())  # no orphans
     assert not (d / "processes.json").exists()
-    check_resumed(d, objective, reference)
+    check_resumed(d, objective, reference, tsrl_here)
 
 
-def test_full_disk_while_writing_a_checkpoint(reference, tmp_path):
+def test_full_disk_while_writing_a_checkpoint(reference, tsrl_here, tmp_path):
     """The run directory on a small tmpfs: round-0 and round-1 fit, round-2 does not."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -150,10 +156,10 @@ def test_full_disk_while_writing_a_checkpoint(reference, tmp_path):
         shutil.copytree(d, moved)  # a disk with room
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
-    check_resumed(moved, "grpo", reference)
+    check_resumed(moved, "grpo", reference, tsrl_here)
 
 
-def test_sigterm_in_a_sweep_then_the_next_sweep_continues(toy_policies, tmp_path):
+def test_sigterm_in_a_sweep_then_the_next_sweep_continues(toy_policies, tsrl_here, tmp_path):
     """SIGTERM while the first of two runs trains: the sweep stops (its workers too); the same sweep again
     finishes what was left, and every run ends on the weights of an uninterrupted sweep."""
     exp = tmp_path / "toy.yaml"
@@ -170,21 +176,21 @@ def test_sigterm_in_a_sweep_then_the_next_sweep_continues(toy_policies, tmp_path
     exp.write_text(yaml.safe_dump(doc))
 
     def sweep(out):
-        return [sys.executable, "-m", "tsrl_cli", "sweep", str(exp), "--schedules", "sync", "--seeds", "1,2",
-                "--rounds", str(ROUNDS), "--warmup", "1", "--out", str(out), "--json"]
+        return ["sweep", str(exp), "--schedules", "sync", "--seeds", "1,2", "--rounds", str(ROUNDS), "--warmup", "1",
+                "--out", str(out), "--json"]
 
-    ref = run(sweep(tmp_path / "ref"))
+    ref = tsrl_here(*sweep(tmp_path / "ref"))
     assert ref.returncode == 0, ref.stderr[-2000:]
     out = tmp_path / "out"
     first, held = out / "toyfault" / "sync" / "seed1", tmp_path / "held"
-    p = start(sweep(out), held)
+    p = start([sys.executable, "-m", "tsrl_cli", *sweep(out)], held)
     wait_for(lambda: held.exists() and rounds_done(first) == HELD - 1 and len(pids(first)) == 3,
              what="round 2 of the first run held")
     workers = pids(first)
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=60)
     assert p.returncode != 0 and not any(alive(q) for q in workers.values())
-    again = run(sweep(out))
+    again = tsrl_here(*sweep(out))
     assert again.returncode == 0, again.stderr[-2000:]
     for seed in (1, 2):
         d = f"toyfault/sync/seed{seed}"

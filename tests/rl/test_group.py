@@ -109,7 +109,8 @@ def cli(out, learners, *extra):
             "--save-every", "1", "--out", str(out), "--json", *extra]
 
 
-def test_kill_one_rank_then_resume_on_another_n(reference, tmp_path):
+def test_kill_one_rank_then_resume_on_another_n(reference, tsrl_here, tmp_path):
+    """The struck run is a subprocess; each resume runs the same command in this process (conftest.tsrl_here)."""
     d, held = tmp_path / "run", tmp_path / "held"
     p = subprocess.Popen(cli(d, "cpu:2"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=held_at(2, held))  # the rollout holds at round 2's start until the kill
@@ -129,8 +130,7 @@ def test_kill_one_rank_then_resume_on_another_n(reference, tmp_path):
     for learners in ("cpu:4", "cpu"):  # resume on more ranks, and on one process
         again = tmp_path / learners.replace(":", "")
         subprocess.run(["cp", "-r", str(d), str(again)], check=True)
-        res = subprocess.run(cli(again, learners, "--resume"), cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             check=False)
+        res = tsrl_here(*cli(again, learners, "--resume")[3:])
         assert res.returncode == 0, res.stderr[-2000:]
         assert [r["round"] for r in rows(again, "metrics.jsonl")] == list(range(1, ROUNDS + 1))
         assert max_rel(weights(reference["grpo", False]), weights(again)) < 1e-9

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tsrl_cli.config import LossConfig
+from tsrl_cli.config import LearnerConfig, LossConfig
 from tsrl_cli.core.losses import LOSS_AGG_MODES
 from tsrl_cli.errors import ScopeError, UsageError
 from tsrl_cli.policy import score_tokens
@@ -62,12 +62,14 @@ def objective(kind, mode, reg, **kw):
     return O(kind=kind, loss_agg=mode, norm_constant=C, **extra, **kw)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "opd"])
+@pytest.mark.parametrize("kind", ["grpo", "opd-turn", "opd-trajectory"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("reg", [False, True], ids=["plain", "kl+entropy"])
 def test_stream_equals_lazy_float64(tiny64, scored, kind, mode, reg):
     order = "random" if reg else "reverse"  # reverse: for OPD, later turns arrive before earlier ones
-    pair = lazy_and_stream(tiny64, scored, objective(kind, mode, reg), order=order, seed=3)
+    kind, _, unit = kind.partition("-")  # OPD under each learner.opd_unit
+    pair = lazy_and_stream(tiny64, scored, objective(kind, mode, reg), order=order, seed=3,
+                           learner=LearnerConfig(opd_unit=unit or "trajectory"))
     cmp = compare(pair.names, pair.lazy, pair.stream)
     assert cmp["max_abs_grad"] > 1e-4  # a real gradient, not two zeros
     assert cmp["max_rel_diff"] <= 1e-10, cmp
@@ -149,7 +151,10 @@ def test_detects_a_wrong_reward(tiny64, scored):
 @pytest.mark.parametrize("kind,mode", [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("opd", "seq-mean-token-mean")])
 @pytest.mark.parametrize("cap", [0, 1, 2])
 def test_max_open_groups_stays_exact_and_caps_memory(tiny64, scored, kind, mode, cap):
-    pair = lazy_and_stream(tiny64, scored, objective(kind, mode, True, max_open_groups=cap), order="random", seed=2)
+    # OPD per turn: a trajectory's turns fold into its unit buffer until it ends (under learner.opd_unit trajectory
+    # they wait as inputs and open no buffer: tests/rl/test_opd_unit.py)
+    pair = lazy_and_stream(tiny64, scored, objective(kind, mode, True, max_open_groups=cap), order="random", seed=2,
+                           learner=LearnerConfig(opd_unit="turn"))
     assert compare(pair.names, pair.lazy, pair.stream)["max_rel_diff"] <= 1e-10
     acc = pair.learner.acc
     per_open = 2 if kind == "grpo" else 1  # S_r and S_1 per group; one S_u per OPD trajectory

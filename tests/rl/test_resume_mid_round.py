@@ -13,7 +13,9 @@ and generates only the missing ones.
   uninterrupted stream run's weights within 1e-9 (async, whose rollouts race the learner, is not
   deterministic: there the resumed round is checked to train on the journal's trajectories at their own
   staleness), DONE is written, round 3's row has resumed_trajectories 3 (0 in every other row), and the
-  exactness certificate (run.verify_every=1) holds in every resumed round.
+  exactness certificate (run.verify_every=1) holds in every resumed round. The struck runs are
+  subprocesses; the reference and each `--resume` run the same command in this process
+  (conftest.tsrl_here).
 """
 
 from __future__ import annotations
@@ -172,14 +174,10 @@ def test_a_resumed_round_sends_its_journal_again_and_generates_only_the_rest(toy
 
 
 # ---- end to end: struck in round 3, resumed ----------------------------------------------------------------------
-def train_cmd(out: Path, schedule: str, objective: str, *extra: str) -> list[str]:
+def train_args(out: Path, schedule: str, objective: str, *extra: str) -> list[str]:
     sets = [a for s in [*TOY, *F64] for a in ("--set", s)]
-    return [sys.executable, "-m", "tsrl_cli", "train", *sets, "--schedule", schedule, "--objective", objective,
-            "--rounds", str(ROUNDS), "--save-every", "1", "--out", str(out), "--json", *extra]
-
-
-def run_cmd(cmd, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    return ["train", *sets, "--schedule", schedule, "--objective", objective, "--rounds", str(ROUNDS),
+            "--save-every", "1", "--out", str(out), "--json", *extra]
 
 
 def rows(d: Path, name: str) -> list[dict]:
@@ -210,14 +208,14 @@ def same_rollouts(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(toy_policies, tmp_path_factory):
+def reference(toy_policies, tsrl_here, tmp_path_factory):
     """reference(objective): the uninterrupted float64 stream run, built once per module and objective."""
     built: dict[str, Path] = {}
 
     def get(objective: str) -> Path:
         if objective not in built:
             d = tmp_path_factory.mktemp("ref") / objective
-            res = run_cmd(train_cmd(d, "stream", objective))
+            res = tsrl_here(*train_args(d, "stream", objective))
             assert res.returncode == 0, res.stderr[-3000:]
             assert not (d / "journal").exists()  # every round is in the last checkpoint: no journal left
             built[objective] = d
@@ -232,10 +230,10 @@ CASES = [("run", "stream", "grpo"), ("rollout", "async", "grpo"), ("learner", "s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("struck,schedule,objective", CASES)
-def test_kill_9_mid_round_then_resume_that_round(struck, schedule, objective, reference, tmp_path):
+def test_kill_9_mid_round_then_resume_that_round(struck, schedule, objective, reference, tsrl_here, tmp_path):
     d, held = tmp_path / "run", tmp_path / "held"
-    p = subprocess.Popen(train_cmd(d, schedule, objective), cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=held_after(STRUCK, ENDED, held))
+    p = subprocess.Popen([sys.executable, "-m", "tsrl_cli", *train_args(d, schedule, objective)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=held_after(STRUCK, ENDED, held))
     workers = 3 if objective == "grpo" else 4  # main, rollout, learner[, teacher]
     run, t0 = RunDir(d), time.monotonic()
     # held, the run cannot leave this state: round 2's row written and its journal removed (its checkpoint has it)
@@ -260,7 +258,7 @@ def test_kill_9_mid_round_then_resume_that_round(struck, schedule, objective, re
     journal = {(r["group_id"], r["sample_index"]): r for r in run.rows(run.journal_name(STRUCK))}
     assert len(journal) == ENDED
 
-    res = run_cmd(train_cmd(d, schedule, objective, "--resume", "--set", "run.verify_every=1"))
+    res = tsrl_here(*train_args(d, schedule, objective, "--resume", "--set", "run.verify_every=1"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert run.done() and not (d / "journal").exists()
     metrics = rows(d, "metrics.jsonl")

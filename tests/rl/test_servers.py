@@ -52,13 +52,14 @@ class LostMidRound(HFEngine):
         raise RuntimeError("server is shutting down")
 
 
-def server(model_dir, engine=HFEngine):
+def server(model_dir, engine=HFEngine, batching="continuous"):
     model, tok = load_policy(model_dir, dtype="float64", device="cpu")
     # the server's engine starts from *other* weights: the run's own reach it over the bus at start
     with __import__("torch").no_grad():
         for p in model.parameters():
             p.mul_(0.5)
-    return start_server(engine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join, api_key=KEY)
+    return start_server(engine(model, pad_id=tok.pad_token_id), join_bus=WeightBus.join, api_key=KEY,
+                        batching=batching)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,8 @@ def ref(toy_policies, tmp_path_factory):
 def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config, toy_policies, ref):
     flags = {"model.dtype": "float64", "run.save_rollouts": True}
 
-    a, b = server(toy_policies[0]), server(toy_policies[0], engine=LostMidRound)  # b: lost on its 2nd batch
+    # b: lost on its 2nd batch (static batching: LostMidRound counts engine calls); a batches continuously
+    a, b = server(toy_policies[0]), server(toy_policies[0], engine=LostMidRound, batching="static")
     b.engine.server = b
     log: list[dict] = []
     try:

@@ -48,8 +48,8 @@ def test_run_agent_on_turn_sees_each_closed_turn(tok):
 
     seen = []
 
-    def on_turn(traj, k):  # a copy: the trajectory keeps growing after the callback
-        seen.append((k, list(traj.input_ids), list(traj.turn_spans)))
+    def on_turn(traj, k, last):  # a copy: the trajectory keeps growing after the callback
+        seen.append((k, list(traj.input_ids), list(traj.turn_spans), last))
 
     batcher = TurnBatcher(ScriptedEngine(tok, lambda ctx, k: ["```bash\necho aple\n```", "```bash\nsubmit\n```"][k]))
     try:
@@ -58,7 +58,33 @@ def test_run_agent_on_turn_sees_each_closed_turn(tok):
     finally:
         batcher.close()
     r = res.rollout
-    assert [k for k, _, _ in seen] == [0, 1] and res.num_turns == 2
-    for k, ids, spans in seen:
+    assert [k for k, _, _, _ in seen] == [0, 1] and res.num_turns == 2
+    assert [last for *_, last in seen] == [False, True]  # the second turn submits: nothing can follow it
+    for k, ids, spans, _ in seen:
         end = r.turn_spans[k][1]
         assert spans == r.turn_spans[: k + 1] and ids == r.input_ids[:end]
+
+
+def test_run_agent_marks_the_max_turns_turn_last(tok):
+    """At rollout.max_turns the last turn is marked as it closes, though it does not submit: no turn can follow.
+    Control: the same agent with one more turn allowed marks none of the first two."""
+    from tsrl_cli.agent.loop import AgentLimits, run_agent
+    from tsrl_cli.agent.renderer import ChatMLRenderer
+    from tsrl_cli.engines.base import TurnBatcher
+    from tsrl_cli.engines.scripted import ScriptedEngine
+
+    def lasts(max_turns: int) -> list[bool]:
+        seen = []
+        batcher = TurnBatcher(ScriptedEngine(tok, lambda ctx, k: "```bash\necho aple\n```"))
+        try:
+            res = asyncio.run(run_agent(EchoEnv(EchoTask("echo-apple", "apple")), batcher.generate,
+                                        ChatMLRenderer(tok), group_id="g", sample_index=0,
+                                        limits=AgentLimits(max_turns=max_turns),
+                                        on_turn=lambda traj, k, last: seen.append(last)))
+        finally:
+            batcher.close()
+        assert res.exit_reason == "max_turns"
+        return seen
+
+    assert lasts(2) == [False, True]
+    assert lasts(3) == [False, False, True]

@@ -6,6 +6,7 @@ sent before it kept caches. float64 agrees to 1e-12; the forward covers each tok
 
 import random
 
+import pytest
 import torch
 
 from tsrl_cli.policy import build_tiny_model, score_tokens
@@ -80,3 +81,48 @@ def test_caches_beyond_the_byte_cap_are_dropped_oldest_first(teacher64):
     got, n = scorer.score("a", ids[:26], 20, 26)  # "a" was dropped: scored from scratch, same numbers
     assert n == 26
     assert torch.allclose(torch.tensor(got), torch.tensor(score_tokens(teacher64, ids[:26], 20, 26)), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_chunked_forwards_score_the_same_and_never_run_longer_than_a_chunk(teacher64, chunk):
+    """Each forward covers at most `chunk` positions (a chunk attends to the cached keys before it), and every
+    turn's scores equal the fresh prefix forward's, from scratch and from the cache alike."""
+    ids = _ids(teacher64, 40, 6)
+    want = {(s, e): score_tokens(teacher64, ids[:e], s, e) for s, e in SPANS}
+    lengths = []
+    hook = teacher64.register_forward_pre_hook(lambda mod, args, kw: lengths.append(kw["input_ids"].shape[1]),
+                                               with_kwargs=True)
+    try:
+        scorer = TurnScorer(teacher64, chunk_tokens=chunk)
+        got = {(s, e): scorer.score("a", ids[:e], s, e)[0] for s, e in SPANS}
+        fresh, n = TurnScorer(teacher64, chunk_tokens=chunk).score("b", ids[:40], 34, 40)  # one long from-scratch turn
+    finally:
+        hook.remove()
+    for span in SPANS:
+        assert torch.allclose(torch.tensor(got[span]), torch.tensor(want[span]), rtol=0, atol=1e-12)
+    assert n == 40 and torch.allclose(torch.tensor(fresh), torch.tensor(want[SPANS[-1]]), rtol=0, atol=1e-12)
+    assert max(lengths) <= chunk and sum(lengths) == 40 + 40  # every position once per scorer
+
+
+def test_room_is_made_before_the_forward_and_the_kept_logits_are_one_row(teacher64):
+    """The caches alive during a forward (the others kept, and this trajectory's e tokens) fit max_bytes: the
+    least recently used are dropped before, not after, the forward; the row kept to predict a trajectory's next
+    token is a (1, 1, V) copy, not a view holding its chunk's logits."""
+    scorer = TurnScorer(teacher64, max_bytes=0)
+    scorer.max_bytes = 40 * scorer.bytes_per_token  # room for 40 tokens in all
+    alive = []
+    hook = teacher64.register_forward_pre_hook(lambda mod, args: alive.append(scorer.cached_tokens()))
+    try:
+        a, b = _ids(teacher64, 40, 7), _ids(teacher64, 40, 8)
+        scorer.score("a", a[:15], 10, 15)
+        scorer.score("b", b[:15], 10, 15)
+        assert list(scorer.open) == ["a", "b"]  # 30 tokens: both fit
+        alive.clear()
+        scorer.score("a", a[:30], 26, 30)  # a grows to 30: with b's 15 that is 45 > 40, so b goes first
+        assert alive == [0] and list(scorer.open) == ["a"]  # nothing else cached while a's forward ran (a's own
+        # cache is out of `open` while it grows)
+    finally:
+        hook.remove()
+    row = scorer.open["a"].last_logits
+    V = teacher64.config.vocab_size
+    assert row.shape == (1, 1, V) and row.untyped_storage().nbytes() == V * row.element_size()

@@ -181,11 +181,14 @@ def test_rollouts_are_a_pure_function_of_weights_seed_round_task_sample(toy_conf
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
-    """seq-mean-token-mean: a trajectory's 1/n waits for its last turn (TrajectoryDone)."""
+    """seq-mean-token-mean: a trajectory's 1/n waits for its last turn (TrajectoryDone). Per-turn backwards
+    (learner.opd_unit turn), whose overlap with the rollout is checked below; tests/rl/test_opd_unit.py runs
+    the trajectory unit."""
     runs = {}
     for s in ("sync", "stream"):
         cfg = toy_config(out=s, objective="opd", schedule=s, rounds=2,
-                         **{"model.dtype": "float64", "run.save_rollouts": True, "loss.loss_agg": loss_agg, **SPREAD})
+                         **{"model.dtype": "float64", "run.save_rollouts": True, "loss.loss_agg": loss_agg, **SPREAD,
+                            "learner.opd_unit": "turn"})
         train(cfg)
         runs[s] = str(cfg.run_dir())
     assert rollout_tokens(runs["sync"]) == rollout_tokens(runs["stream"])
@@ -428,27 +431,65 @@ def _zombies() -> set[int]:
     return out
 
 
-def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture, docker_base_image):
-    """A broken environment is never a reward: a task whose prebuilt image is not here and cannot be
-    pulled (no registry) fails to start its container; the run exits 1 with one line naming the round,
-    the task and the cause, and the learner never steps on it. With rollout.max_env_error_frac=1 the
-    same run trains and counts them per round. Images that can be built start (tests/rl/test_train_docker.py)."""
+def _no_sleep_image() -> str:
+    """A local image whose containers cannot start: it holds one file and no `sleep` binary, so the
+    sandbox's idle `sleep infinity` fails at container start (the image itself is present)."""
+    import io
+    import tarfile
+
+    import docker
+
+    tag = "tsrl-test-no-sleep:1"
+    client = docker.from_env()
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            info = tarfile.TarInfo("README")
+            body = b"an image with no programs in it\n"
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+        client.api.import_image_from_data(buf.getvalue(), repository="tsrl-test-no-sleep", tag="1")
+    finally:
+        client.close()
+    return tag
+
+
+def _hello_world_with_image(tmp_path, prepare_fixture, image: str):
+    """The Terminal-Bench hello-world fixture, prepared, its task's docker_image set to `image`."""
     import shutil
 
+    src = tmp_path / "src" / "hello-world"
+    shutil.copytree("tests/fixtures/terminal_bench/hello-world", src)
+    toml = src / "task.toml"
+    text = toml.read_text()
+    assert 'docker_image = "ghcr.io/laude-institute/t-bench/hello-world:2.0"' in text
+    toml.write_text(text.replace("ghcr.io/laude-institute/t-bench/hello-world:2.0", image))
+    return prepare_fixture("terminal-bench", tmp_path / "src", tmp_path / "tb")
+
+
+def _docker_train_args(ds) -> list[str]:
+    return ["train", "--set", "model.policy=builtin:toy", "--set", f"data.train=[{ds}]",
+            "--set", "rollout.prompts_per_round=1", "--set", "rollout.group_size=2", "--set", "rollout.max_turns=2",
+            "--set", "rollout.executor=docker", "--rounds", "1"]
+
+
+def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture, docker_base_image):
+    """A broken environment is never a reward: a task whose image is present but whose container cannot
+    start (no `sleep` in it) fails its environment start; the run exits 1 with one line naming the round,
+    the task and the cause, and the learner never steps on it. With rollout.max_env_error_frac=1 the
+    same run trains and counts them per round. Images that can be built start (tests/rl/test_train_docker.py)."""
     from typer.testing import CliRunner
 
     from tsrl_cli.cli import app
 
-    shutil.copytree("tests/fixtures/terminal_bench/hello-world", tmp_path / "src" / "hello-world")  # docker_image set
-    prepare_fixture("terminal-bench", tmp_path / "src", tmp_path / "tb")
-    base = ["train", "--set", "model.policy=builtin:toy", "--set", f"data.train=[{tmp_path / 'tb'}]",
-            "--set", "rollout.prompts_per_round=1", "--set", "rollout.group_size=2", "--set", "rollout.max_turns=2",
-            "--set", "rollout.executor=docker", "--rounds", "1"]
+    base = _docker_train_args(_hello_world_with_image(tmp_path, prepare_fixture, _no_sleep_image()))
     res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "loud")])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 1, res.output[-2000:]
-    assert lines[-2].startswith("error: the rollout process failed: round 1: 1 of 2 trajectories "
-                                "could not start their environment (first: task "), lines[-3:]
+    assert "could not start their environment (first: task " in lines[-2], lines[-3:]
+    assert lines[-2].startswith("error: the rollout process failed: round 1: "), lines[-3:]
     assert "rollout.max_env_error_frac is 0" in lines[-2]
     assert not (tmp_path / "loud" / "metrics.jsonl").is_file() or not rows(tmp_path / "loud", "metrics.jsonl")
     res = CliRunner().invoke(app, [*base, "--set", "rollout.max_env_error_frac=1", "--out", str(tmp_path / "counted"),
@@ -456,3 +497,21 @@ def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, pre
     assert res.exit_code == 0, res.output[-2000:]
     m = rows(tmp_path / "counted", "metrics.jsonl")
     assert m[0]["env_errors"] == 2 and m[0]["exit_reasons"] == {"env_error": 2}
+
+
+def test_missing_task_image_is_named_before_round_1(toy_config, tmp_path, prepare_fixture, docker_base_image):
+    """A prebuilt task image that is not on the daemon stops `tsrl train` before any process starts: exit 2,
+    one line naming the image, its task and the `tsrl env pull` that fetches it (no session pulls it inside
+    an environment start). Control: the same dataset with a present image gets past this check (the test
+    above, whose run reaches round 1)."""
+    from typer.testing import CliRunner
+
+    from tsrl_cli.cli import app
+
+    ds = _hello_world_with_image(tmp_path, prepare_fixture, "tsrl-test-absent-image:never")
+    res = CliRunner().invoke(app, [*_docker_train_args(ds), "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2, res.output[-2000:]
+    line = res.stderr.strip().splitlines()[-1]
+    assert "image tsrl-test-absent-image:never (task tb/hello-world) is not on this Docker daemon" in line, line
+    assert f"tsrl env pull {ds}" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

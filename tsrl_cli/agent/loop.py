@@ -93,14 +93,16 @@ async def run_agent(
     clock: Callable[[], float] = time.monotonic,
     on_event: Callable[[dict], None] | None = None,
     system_prompt: str | None = None,
-    on_turn: Callable[[TokenTrajectory, int], None] | None = None,
+    on_turn: Callable[[TokenTrajectory, int, bool], None] | None = None,
 ) -> AgentResult:
     """Run one trajectory. `seed_key` (round, task, sample...) makes every turn's seed unique and stable.
 
     `renderer` (agent/template.py make_renderer) is the chat format: the prompt, the parse of each turn, the
-    observations; `system_prompt` None is the renderer's own. `on_turn(traj, k)` is called at each turn close
-    with the live token trajectory (its last span is turn k): what a per-turn consumer (the OPD teacher)
-    needs. Copy what you keep; it grows.
+    observations; `system_prompt` None is the renderer's own. `on_turn(traj, k, last)` is called at each turn
+    close with the live token trajectory (its last span is turn k): what a per-turn consumer (the OPD teacher)
+    needs. Copy what you keep; it grows. `last` is True when no model turn can follow (the turn submits, or
+    it is the max_turns-th); an end learned later (a token or wall-clock limit, a submit printed by a tool)
+    is told by the trajectory's end only.
     """
     events: list[dict] = []
 
@@ -139,7 +141,7 @@ async def run_agent(
         emit("turn_close", turn=turn, span=list(span), tokens=len(out.token_ids), finish_reason=out.finish_reason,
              policy_version=out.policy_version, tool_call_error=action.error or None)
         if on_turn is not None:
-            on_turn(traj, turn)
+            on_turn(traj, turn, action.kind == "submit" or turn == limits.max_turns - 1)
         if out.finish_reason != "stop":  # cut by max_tokens: close the turn for the template (not trained on)
             traj.append([renderer.end_of_turn], 0)
         if action.kind == "submit":

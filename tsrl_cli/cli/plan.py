@@ -14,16 +14,17 @@ import typer
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt, SetOpt
 
-PLAN_EPILOG = ("Examples:  tsrl plan experiments/node8/grpo_full.yaml --capacity-gib 80 --host-gib 2048  ·  "
-               "tsrl plan experiments/node8/opd_full.yaml --capacity-gib 141 --json")
+PLAN_EPILOG = ("Examples:  tsrl plan experiments/node8/grpo_full.yaml  ·  "
+               "tsrl plan experiments/node8/opd_full.yaml --capacity-gib 74.5 --json  ·  "
+               "tsrl plan experiments/node8/grpo_lora.yaml --capacity-gib 131.3 --host-gib 1024")
 
 
 def plan(
     experiment: Annotated[str, typer.Argument(help="Experiment YAML; the models' architecture comes from model.policy_config / model.teacher_config, else the model folders' config.json.")],
     *,
     set_: SetOpt = None,
-    capacity_gib: Annotated[float | None, typer.Option(help="Memory of every CUDA device, GiB (default: this machine's GPU where it has that index, else 80).")] = None,
-    host_gib: Annotated[float | None, typer.Option(help="Host memory, GiB, for CPU processes and host-memory buffers (default: this machine's).")] = None,
+    capacity_gib: Annotated[float | None, typer.Option(help="Memory of every CUDA device, GiB (default: this machine's GPU where it has that index, else an 80 GB device, 74.5 GiB).")] = None,
+    host_gib: Annotated[float | None, typer.Option(help="Host memory, GiB, for CPU processes and host-memory buffers (default: the experiment's devices.host_memory_gib, else this machine's).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Plan an experiment's memory from its models' config.json alone: peak bytes per process, measured on fake

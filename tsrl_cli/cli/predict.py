@@ -22,6 +22,7 @@ def predict(
     spread: Annotated[float, typer.Option(help="What if: arrival deviations from the median arrival times X (clipped at 0).")] = 1.0,
     warmup: Annotated[int, typer.Option(help="Rounds 1..N are warm-up: left out of the summary when later rounds exist.")] = 4,
     calibration: Annotated[str | None, typer.Option(help="A calibration.json from `tsrl calibrate`: predict stream from a sync run's trace with this machine's fitted terms.")] = None,
+    opd_unit: Annotated[str | None, typer.Option(help="OPD: stream's unit of a backward, turn or trajectory (learner.opd_unit; default: the run's, turn where the trace has no config.yaml). Another than the run's is a what-if, priced per token position from the trace.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Predict step time under sync, stream and async, the speedup (sync / stream) and its ceiling.
@@ -29,6 +30,7 @@ def predict(
     Model: sync = last arrival + work / learners + step + sync; stream = when the FIFO queue drains
     (each item on the first free learner) + step + sync; async = max(last arrival, work / learners +
     step) + sync. From a run, it also compares with the measured step time (mean abs % error).
+    OPD traces: both learner.opd_unit values priced per token position (stream step time, positions).
     """
     from tsrl_cli.console import console
 
@@ -42,7 +44,7 @@ def predict(
 
             cal = load_calibration(calibration, "opd" if any(i.trajectory for r in tr.rounds for i in r.items) else "grpo")
         res = predict_trace(tr, step_s=step_s, sync_s=sync_s, learners=learners, learner_speed=learner_speed,
-                            tool_speed=tool_speed, spread=spread, warmup=warmup, calibration=cal)
+                            tool_speed=tool_speed, spread=spread, warmup=warmup, calibration=cal, opd_unit=opd_unit)
     if json_out:
         typer.echo(json.dumps(res))
     else:
@@ -84,10 +86,27 @@ def _render(console, res: dict) -> None:
     t.add_row("stream", f(res["stream_s"], " s"))
     t.add_row("async (1-step off-policy)", f(res["async_s"], " s"))
     t.add_row("speedup sync/stream", f"{f(res['speedup'], 'x')}  (ceiling {f(res['ceiling'], 'x')})")
+    if res.get("opd_unit"):
+        t.add_row("OPD unit", res["opd_unit"] + (f" (the run's: {res['opd_unit_recorded']})"
+                                                  if res.get("opd_unit_recorded") else ""))
     if "mean_abs_error_pct" in res:
         t.add_row("measured vs predicted", f"mean abs error {res['mean_abs_error_pct']:.2f} % over {res['error_rows']} rounds "
                   f"({res['measured_from']}; the model as traced, without what-if knobs)")
     console.print(t)
+    units = res.get("opd_units")
+    if units:
+        u = Table(title=f"OPD units, priced at {units['per_position_s'] * 1e6:.3g} µs per position; lazy batch "
+                        f"{units['lazy_positions']:.0f} positions, sum T_i {units['trajectory_tokens']:.0f}",
+                  title_justify="left")
+        for c in ("learner.opd_unit", "stream s", "positions", "/ lazy batch", "speedup"):
+            u.add_column(c, justify="right")
+        for name in ("trajectory", "turn"):
+            x = units[name]
+            u.add_row(name + (" (best)" if units["best"] == name else ""), f(x["stream_s"]), f"{x['positions']:.0f}",
+                      f(x["positions_over_lazy"], "x"), f(res["sync_s"] / x["stream_s"] if x["stream_s"] else None, "x"))
+        console.print(u)
+    elif res.get("opd_unit"):
+        console.print("[dim]OPD units not priced: the trace has no learner_work positions[/dim]", highlight=False)
     if res.get("note"):
         console.print(f"[dim]{res['note']}[/dim]", highlight=False)
 

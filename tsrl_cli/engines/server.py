@@ -9,11 +9,13 @@
     POST /tsrl/weights/sync   take one sync from the bus; blocks until applied, then
                               {"version","start","end","bytes","published_at"} (time.time() seconds)
 
-Concurrent HTTP requests (one thread each) meet in one TurnBatcher, so many agent sessions share
-batched engine calls. A sync takes the weights lock when its first bucket arrives and holds it until
-the new version is set: a batch runs wholly on the old weights or wholly on the new ones. The weight
-bus lives in tsrl_cli/rl (which imports the engines), so the server is handed its join function
-(`join_bus`, e.g. WeightBus.join) instead of importing it; without one the weight endpoints answer 501.
+Concurrent HTTP requests (one thread each) meet in one batcher (engines/base.py make_batcher;
+`batching` continuous by default: a turn joins the engine's running batch at its next step). When a
+sync's first bucket arrives it pauses the batcher, which admits nothing more and waits until every
+running turn has returned, and resumes it once the new version is set: a turn runs wholly on the old
+weights or wholly on the new ones. The weight bus lives in tsrl_cli/rl (which imports the engines),
+so the server is handed its join function (`join_bus`, e.g. WeightBus.join) instead of importing it;
+without one the weight endpoints answer 501.
 The chat format comes the same way (`chat`, an api.ChatFormat; the agent's renderer for tsrl serve).
 
 Who may ask (engines/auth.py): with `api_key`, every endpoint but GET /health needs `Authorization:
@@ -49,23 +51,41 @@ from tsrl_cli.engines.api import (
     parse_completion,
 )
 from tsrl_cli.engines.auth import MAX_BODY_MB, bearer_ok, check_api_key, check_listen, key_digest
-from tsrl_cli.engines.base import TurnBatcher, TurnOutput, TurnRequest, apply_sync
+from tsrl_cli.engines.base import TurnOutput, TurnRequest, apply_sync, can_step, make_batcher
 from tsrl_cli.engines.load import ENGINE_DTYPES, ENGINES, open_engine
 from tsrl_cli.errors import UsageError
 
 # ---- the server ---------------------------------------------------------------------------------
 
 class _Guarded:
-    """The engine as the batcher sees it: generation holds the weights lock; refused once closing."""
+    """The engine as the batcher sees it: refused once closing (turns still queued or running are answered
+    503, not computed)."""
 
-    def __init__(self, engine, lock: threading.Lock):
-        self.engine, self.lock, self.closing = engine, lock, False
+    def __init__(self, engine):
+        self.engine, self.closing = engine, False
+
+    def _check(self) -> None:
+        if self.closing:
+            raise RuntimeError("server is shutting down")
 
     def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]:
-        if self.closing:  # shutting down: batches still queued are answered with 503, not computed
-            raise RuntimeError("server is shutting down")
-        with self.lock:
-            return self.engine.generate(requests)
+        self._check()
+        return self.engine.generate(requests)
+
+
+class _GuardedSteps(_Guarded):
+    """_Guarded for an engine that batches continuously (engines/base.py SteppingEngine)."""
+
+    def add(self, rid: int, request: TurnRequest) -> None:
+        self._check()
+        self.engine.add(rid, request)
+
+    def step(self) -> list[tuple[int, TurnOutput]]:
+        self._check()
+        return self.engine.step()
+
+    def running(self) -> int:
+        return self.engine.running()
 
 
 class RolloutServer:
@@ -75,7 +95,8 @@ class RolloutServer:
     `read_timeout_s` decide who may ask and how much is read (the module's docstring)."""
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tsrl",
-                 join_bus: Callable | None = None, max_batch: int = 8, *, api_key: str | None = None,
+                 join_bus: Callable | None = None, max_batch: int = 8, *, batching: str = "continuous",
+                 api_key: str | None = None,
                  insecure: bool = False, chat: ChatFormat | None = None, max_body_bytes: int = MAX_BODY_MB << 20,
                  read_timeout_s: float = 60.0):
         self.engine, self.model_name, self.join_fn, self.chat = engine, model_name, join_bus, chat
@@ -91,10 +112,9 @@ class RolloutServer:
             raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port") from None
         self.httpd.app = self
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
-        self.weights_lock = threading.Lock()  # held by a batch, or by a sync from its first bucket to its end
-        self._guarded = _Guarded(engine, self.weights_lock)
-        self.batcher = TurnBatcher(self._guarded, max_batch=max_batch)
-        self._loop = asyncio.new_event_loop()  # only to drive TurnBatcher's futures from the handler threads
+        self._guarded = (_GuardedSteps if can_step(engine) else _Guarded)(engine)
+        self.batcher = make_batcher(self._guarded, max_batch, batching)
+        self._loop = asyncio.new_event_loop()  # only to drive the batcher's futures from the handler threads
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="tsrl-serve-loop", daemon=True)
         self._loop_thread.start()
         self._inflight: set[concurrent.futures.Future] = set()
@@ -171,6 +191,8 @@ class RolloutServer:
                 with self._state:
                     self.aborted += 1
                 raise ApiError(None, "server is shutting down", status=503) from None
+            if getattr(self.batcher, "error", None) is not None:  # the engine is unusable: clients go elsewhere
+                self.broken = f"the engine failed ({type(e).__name__}: {e}); restart this server"
             raise ApiError(None, f"engine error: {type(e).__name__}: {e}", status=500) from None
         finally:
             with self._state:
@@ -220,7 +242,7 @@ class RolloutServer:
         return {**self.join_status, "policy_version": self.engine.version, "weight_bus": self.join_fn is not None}
 
     def sync(self) -> dict:
-        """Take one sync from the bus (engines/base.py apply_sync), batches held off from its first bucket on."""
+        """Take one sync from the bus (engines/base.py apply_sync), the batcher paused from its first bucket on."""
         if self._join_thread is None:
             raise ApiError(None, "not on a weight bus: POST /tsrl/weights/join first", status=409)
         self._join_thread.join()
@@ -230,9 +252,9 @@ class RolloutServer:
             start = time.time()
             locked = False
 
-            def lock() -> None:  # from the first bucket on, no batch may run until the version is set
+            def lock() -> None:  # from the first bucket on, no turn may run until the version is set
                 nonlocal locked
-                self.weights_lock.acquire()
+                self.batcher.pause()
                 locked = True
 
             try:
@@ -243,7 +265,7 @@ class RolloutServer:
                 raise ApiError(None, f"weight sync failed: {type(e).__name__}: {e}", status=500) from None
             finally:
                 if locked:
-                    self.weights_lock.release()
+                    self.batcher.resume()
         return {"version": info["version"], "published_at": info.get("published_at"), "bytes": info["bytes"],
                 "start": start, "end": time.time()}
 
@@ -365,7 +387,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def start_server(engine, host: str = "127.0.0.1", port: int = 0, model_name: str = "tsrl", **options) -> RolloutServer:
     """A RolloutServer answering from a background thread (port 0: the OS picks one; see `.url`).
-    `options`: RolloutServer's (join_bus, max_batch, api_key, insecure, chat, max_body_bytes, read_timeout_s)."""
+    `options`: RolloutServer's (join_bus, max_batch, batching, api_key, insecure, chat, max_body_bytes,
+    read_timeout_s)."""
     srv = RolloutServer(engine, host, port, model_name, **options)
     srv._serving = True  # before the thread starts: a shutdown() right away must still stop it
     threading.Thread(target=srv.httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="tsrl-serve",

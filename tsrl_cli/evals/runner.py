@@ -1,8 +1,9 @@
 """Run the training agent loop on evaluation instances with any engine: records, resume, summary.
 
-The agent loop is the one training uses (agent/loop.py::run_agent), batched through TurnBatcher as
-in training and `tsrl policy probe`. What changes between the embedded suite, Terminal-Bench and
-SWE-bench is only the environment factory (`make_env(job)`) and the patch collector.
+The agent loop is the one training uses (agent/loop.py::run_agent), batched through the batcher
+training uses (engines/base.py make_batcher), as `tsrl policy probe` is. What changes between the
+embedded suite, Terminal-Bench and SWE-bench is only the environment factory (`make_env(job)`) and
+the patch collector.
 
 Output folder (results/eval/<name>/):
   config.json    the settings that make records comparable (model, engine and its dtype, sampling,
@@ -33,7 +34,7 @@ from typing import Any
 from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.datasets.store import Dataset
-from tsrl_cli.engines.base import SamplingParams, TurnBatcher
+from tsrl_cli.engines.base import SamplingParams, make_batcher
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.stats import wilson_interval
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
@@ -173,7 +174,8 @@ def run_jobs(
 ) -> list[dict]:
     """Run every job that has no record yet; return the records of all `jobs`, in job order.
 
-    `engine` is any PolicyEngine (hf, vllm, scripted); one TurnBatcher serves all sessions.
+    `engine` is any PolicyEngine (hf, vllm, scripted); one batcher (engines/base.py make_batcher: continuous
+    for hf and vllm) serves all sessions, at most `max_batch` turns in the engine at once.
     `agent`: "policy" (the engine plays), or the controls Harbor names: "oracle" (the env's
     `play_oracle()`: the task's reference solution) and "nop" (nothing); engine and tokenizer may be
     None for those. The reward and the patch come from the same env code in every case.
@@ -207,7 +209,7 @@ def run_jobs(
             tail = f"non-empty patches {sum(bool(r.get('patch')) for r in recs)}/{len(recs)}"
         progress(f"evaluated {len(recs)}/{len(jobs)} ({tail})")
 
-    async def one(job: Job, batcher: TurnBatcher, sem: asyncio.Semaphore) -> None:
+    async def one(job: Job, batcher, sem: asyncio.Semaphore) -> None:
         async with sem:
             t0 = time.monotonic()
             env = make_env(job)
@@ -260,7 +262,7 @@ def run_jobs(
         report()
 
     async def main() -> None:
-        batcher = TurnBatcher(engine, max_batch=max_batch) if agent == "policy" else None
+        batcher = make_batcher(engine, max_batch) if agent == "policy" else None
         try:
             sem = asyncio.Semaphore(concurrency)
             await asyncio.gather(*(one(j, batcher, sem) for j in todo))

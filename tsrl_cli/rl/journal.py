@@ -91,10 +91,13 @@ def replay_of(run: RunLog, plan: RoundPlan, version: int, max_staleness: int) ->
 
 def closed_turns(msg: TrajectoryDone, at: float) -> list[TurnClosed]:
     """OPD: a replayed trajectory's turns as the rollout process sent them to the teacher when each closed
-    (turn k: the tokens up to its end, the spans of turns 0..k), stamped `at`."""
+    (turn k: the tokens up to its end, the spans of turns 0..k), stamped `at`. Its last turn is marked last
+    whatever ended it: the trajectory is complete."""
     r = msg.rollout
+    n = len(r.turn_spans)
     return [TurnClosed(msg.round, msg.policy_version, r.group_id, r.sample_index, k, r.input_ids[:e],
-                       r.loss_mask[:e], list(r.turn_spans[:k + 1]), at) for k, (_, e) in enumerate(r.turn_spans)]
+                       r.loss_mask[:e], list(r.turn_spans[:k + 1]), at, k == n - 1)
+            for k, (_, e) in enumerate(r.turn_spans)]
 
 
 class Journal:

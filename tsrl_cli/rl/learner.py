@@ -17,6 +17,7 @@ Micro-batching stays exact because one backward is taken per *fold target*, neve
   - OPD turns go into R (their scalar is known: 1, or 1/n_i once the trajectory ended under
     seq-mean-token-mean), or into their trajectory's unit buffer while n_i is still unknown;
     queued turns of one trajectory share one row: the longest prefix's forward scores them all.
+    With opd_unit "trajectory" a trajectory's turns wait for its end and go to R in that one row.
 The first arrival never waits for company: the engine backwards whatever is queued when it is free.
 
 On a learner group (rl/group.py) every rank runs this engine on the same arrivals, plans the same
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsrl_cli.config import BUFFER_DTYPES, OBJECTIVES, LossConfig
+from tsrl_cli.config import BUFFER_DTYPES, OBJECTIVES, OPD_UNITS, LossConfig
 from tsrl_cli.core.accumulator import RoundGradAccumulator
 from tsrl_cli.core.advantages import ADVANTAGES, GroupStats, group_stats
 from tsrl_cli.core.losses import (
@@ -259,14 +260,22 @@ class StreamLearner:
     `obj.loss.max_open_groups`: beyond this many open groups (GRPO) or open trajectories (OPD with
     seq-mean-token-mean), new ones are deferred: their items wait until the group completes (or the
     trajectory ends) and then join R with their final weights: still exact, costing no buffer.
+    `opd_unit` (learner.opd_unit): "turn" backwards each OPD turn when it can, over its prefix (a lone
+    turn re-encodes everything before it); "trajectory" holds a trajectory's turns until end_trajectory
+    and backwards them in one row, the row its last turn alone would cover: the lazy batch's positions,
+    no unit buffer, and the per-turn backwards before it, which never shorten that last one, skipped.
     """
 
     def __init__(self, model, obj: Objective, group_sizes: Mapping[str, int] | None = None, *,
                  grads=None, rank: int = 0, world: int = 1, max_tokens: int | None = None,
                  max_items: int | None = None, ref_model=None,
                  token_weights: Callable[[list[Rollout], torch.Tensor], torch.Tensor] | None = None,
-                 threaded_host_fold: bool | None = None, chunk_tokens: int | None = None):
+                 threaded_host_fold: bool | None = None, chunk_tokens: int | None = None,
+                 opd_unit: str = "turn"):
+        if opd_unit not in OPD_UNITS:
+            raise UsageError(f"OPD unit {opd_unit!r} is unknown; use one of {', '.join(OPD_UNITS)}")
         self.model, self.obj = model, obj
+        self.hold_turns = obj.kind == "opd" and opd_unit == "trajectory"  # a trajectory's turns wait for its end
         self.chunk_tokens = chunk_tokens  # learner.logits_chunk_tokens: the LM head N positions at a time
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads = grads if grads is not None else LocalGrads(self.params)
@@ -374,6 +383,8 @@ class StreamLearner:
                 return ("round",)
             ident = gid
         else:
+            if self.hold_turns and r.key not in self._ended:
+                return None  # opd_unit trajectory: one row at the trajectory's end
             if not self.per_traj_scale or r.key in self._ended:
                 return ("round",)
             ident = r.key

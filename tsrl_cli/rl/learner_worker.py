@@ -139,7 +139,7 @@ class Learner:
         exactness certificate's second engine (rl/certificate.py), which a test's fold fault never reaches."""
         lc = self.cfg.learner
         opts = {"max_tokens": lc.max_microbatch_tokens, "max_items": lc.max_microbatch_items if self.microbatch else 1,
-                    "ref_model": self.ref, "chunk_tokens": lc.logits_chunk_tokens}
+                    "ref_model": self.ref, "chunk_tokens": lc.logits_chunk_tokens, "opd_unit": lc.opd_unit}
         opts.update(kw)
         if self.group is not None:
             opts.update(grads=self.grads, rank=self.rank, world=self.world)

@@ -7,8 +7,8 @@ Every variant is an *engine pool* with the same face to the rollout process's ag
 
 - LocalPool: the engine lives in the rollout process (one device; the default).
 - ReplicaPool: `devices.rollout` names N devices (cpu:N, 0-3): N `engine-k` processes, each one
-  engine and one TurnBatcher, fed through a request queue; the pool sends each request to the
-  replica with the fewest requests in flight (ties: the lowest index).
+  engine and one batcher (engines/base.py make_batcher), fed through a request queue; the pool sends
+  each request to the replica with the fewest requests in flight (ties: the lowest index).
 - ServerPool: `rollout.engine: openai`, remote OpenAI-compatible servers (`tsrl serve`).
 
 Which replica answers never changes what is generated: a request carries its own seed
@@ -32,9 +32,16 @@ from pathlib import Path
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import rollout_replicas
 from tsrl_cli.engines.auth import client_api_key
-from tsrl_cli.engines.base import TurnBatcher, TurnRequest, apply_sync
+from tsrl_cli.engines.base import TurnRequest, apply_sync, make_batcher
 from tsrl_cli.engines.load import open_client, open_engine
-from tsrl_cli.processes import init_worker, peak_device_bytes, peak_rss_bytes, reset_peak_device, reset_peak_rss
+from tsrl_cli.processes import (
+    init_worker,
+    peak_device_bytes,
+    peak_rss_bytes,
+    reset_peak_device,
+    reset_peak_rss,
+    sigterm_raises,
+)
 from tsrl_cli.rl.weightbus import WeightBus, bus_backend, bus_size, join_bus
 
 
@@ -52,11 +59,37 @@ def open_replica_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, device
     if ro.engine == "vllm":
         max_pos = json.loads((Path(init_dir) / "config.json").read_text()).get("max_position_embeddings")
         vllm = {"max_model_len": min(ro.max_trajectory_tokens, max_pos) if max_pos else ro.max_trajectory_tokens,
-                "gpu_memory_utilization": ro.vllm_memory_fraction}
+                "gpu_memory_utilization": ro.vllm_memory_fraction,
+                "max_num_seqs": ro.max_batch}  # the batcher never runs more turns at once on a replica
     engine, device = open_engine(init_dir, ro.engine, devices, cfg.model.dtype, batch_invariant=ro.batch_invariant,
                                  lora=cfg.lora, seed=cfg.seed, base=policy_dir, **vllm)
     engine.version = start_version
     return engine, device
+
+
+def replica_daemonic(cfg: TrainConfig, name: str) -> bool:
+    """Whether worker process `name` of a run (rollout, engine-k, learner...) may be daemonic.
+
+    A vLLM engine over several devices (rollout.tensor_parallel > 1) starts a worker process per device,
+    and multiprocessing forbids a daemonic process to have children ("daemonic processes are not
+    allowed to have children"). Such an engine lives in `engine-k` when there are several replicas and
+    in the rollout process itself when there is one (LocalPool): those processes are started
+    non-daemonic. They still end with the run: Workers joins and terminates them, and
+    processes.exit_with ends them when the main process is gone.
+    """
+    holds_engine = name.startswith("engine-") or (name == "rollout" and len(rollout_replicas(cfg)) == 1)
+    return not (holds_engine and cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel > 1)
+
+
+def close_engine(engine) -> None:
+    """End an engine that holds processes of its own (vLLM over several devices: its engine core and
+    tensor-parallel workers), before its process returns. A multiprocessing child joins its non-daemonic
+    children when its target returns (multiprocessing.util._exit_function), before any atexit hook: a
+    process holding such an engine never exited (measured: still alive 120 s after its last turn), and
+    when terminated it left vLLM's processes running."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 class EngineHost:
@@ -94,6 +127,10 @@ class _Pool:
         """The request for a sync that the learner's publisher reads."""
         return need, have
 
+    def end(self) -> None:
+        """End the engine this process holds at once, turns running or not (the rollout process's last act,
+        on failure too: rollout_worker.rollout_main); nothing for pools whose engines live elsewhere."""
+
 
 class LocalPool(_Pool):
     """The engine in the rollout process (one device)."""
@@ -103,7 +140,7 @@ class LocalPool(_Pool):
         self.engine, self.device = open_replica_engine(cfg, init_dir, policy_dir, devices, start_version)
         # no bus address: an engine that never syncs (tests replaying rounds in one process)
         self.host = EngineHost(self.engine, join_bus(cfg, bus_addr, 1, self.device) if bus_addr else None)
-        self.batcher = TurnBatcher(self.engine, max_batch=cfg.rollout.max_batch)
+        self.batcher = make_batcher(self.engine, cfg.rollout.max_batch, cfg.rollout.batching)
         self.generate = self.batcher.generate
         self.name = type(self.engine).__name__
 
@@ -115,10 +152,14 @@ class LocalPool(_Pool):
         return _combine([self.host.sync()])
 
     def stats(self) -> dict:
-        return {"engine_batches": len(self.batcher.batches), "replicas": 1}
+        return {"replicas": 1, "batching": [self.batcher.take_stats()]}
 
     def close(self) -> None:
         self.batcher.close()
+        self.end()
+
+    def end(self) -> None:
+        close_engine(self.engine)
 
 
 # ---- replica processes --------------------------------------------------------------------------
@@ -133,7 +174,7 @@ def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version
     report_q.put(("ready", f"engine-{index}", None))
 
     async def serve() -> None:
-        batcher = TurnBatcher(engine, max_batch=cfg.rollout.max_batch)
+        batcher = make_batcher(engine, cfg.rollout.max_batch, cfg.rollout.batching)
         loop = asyncio.get_running_loop()
         pending: set[asyncio.Task] = set()
 
@@ -152,14 +193,18 @@ def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version
                 await asyncio.gather(*pending)
                 resp_q.put(("synced", index, await loop.run_in_executor(None, host.sync)))
             elif msg[0] == "stats":
-                resp_q.put(("stats", index, {"batches": len(batcher.batches), "peak_rss": peak_rss_bytes(),
+                resp_q.put(("stats", index, {"batching": batcher.take_stats(), "peak_rss": peak_rss_bytes(),
                                              "peak_device": peak_device_bytes(device)}))
                 reset_peak_rss()
                 reset_peak_device(device)
         await asyncio.gather(*pending)
         batcher.close()
 
-    asyncio.run(serve())
+    with sigterm_raises():  # terminated (the run failed elsewhere): the engine's own processes still end
+        try:
+            asyncio.run(serve())
+        finally:
+            close_engine(engine)
 
 
 class ReplicaPool(_Pool):
@@ -222,7 +267,7 @@ class ReplicaPool(_Pool):
     def stats(self) -> dict:
         st = self._ask("stats")
         served, self.served = self.served, [0] * len(self.req_qs)
-        return {"engine_batches": sum(s["batches"] for s in st), "replicas": len(st), "replica_requests": served,
+        return {"replicas": len(st), "replica_requests": served, "batching": [s["batching"] for s in st],
                 "peak_rss_replicas": [s["peak_rss"] for s in st], "peak_device_replicas": [s["peak_device"] for s in st]}
 
     def close(self) -> None:
@@ -272,7 +317,8 @@ class ServerPool(_Pool):
 
     def stats(self) -> dict:
         live = [u for u in self.client.servers if u not in self.client.dead]
-        return {"engine_batches": None, "replicas": len(live), "replica_requests": list(self.client.served)}
+        # the servers batch for themselves: no batching figures here
+        return {"replicas": len(live), "replica_requests": list(self.client.served), "batching": None}
 
     def close(self) -> None:
         self.client.close()

@@ -38,6 +38,7 @@ from tsrl_cli.processes import (
     peak_rss_bytes,
     reset_peak_device,
     reset_peak_rss,
+    sigterm_raises,
 )
 from tsrl_cli.rl.journal import Journal, closed_turns
 from tsrl_cli.rl.replicas import make_pool
@@ -75,6 +76,21 @@ def hold_if_asked(round_: int) -> None:
 
 def hold_after_if_asked(round_: int, ended: int) -> None:
     _hold(HOLD_AFTER_ENV, (round_, ended), "ROUND:N:PATH, e.g. 3:3:/tmp/held")
+
+
+# metrics.jsonl's per-replica batching keys, from each replica batcher's take_stats() (engines/base.py BatchingStats)
+BATCHING_METRICS = {"generated_tokens": "replica_generated_tokens", "tokens_per_s": "replica_tokens_per_s",
+                    "queue_wait_mean_s": "replica_queue_wait_mean_s", "queue_wait_p95_s": "replica_queue_wait_p95_s",
+                    "running_mean": "replica_running_mean", "steps": "replica_engine_steps"}
+
+
+def batching_metrics(per_replica: list[dict] | None) -> dict:
+    """The round's batching metrics: `rollout_batching` (continuous | static) and one list per figure, an entry
+    per replica in replica order; all None for remote servers (rollout.engine openai), which batch for themselves."""
+    if per_replica is None:
+        return {"rollout_batching": None, **dict.fromkeys(BATCHING_METRICS.values())}
+    return {"rollout_batching": per_replica[0]["batching"],
+            **{key: [r[figure] for r in per_replica] for figure, key in BATCHING_METRICS.items()}}
 
 
 class EnvironmentFailed(OperationFailed):
@@ -169,6 +185,7 @@ class RolloutWorker:
         have = {m.rollout.key for m in replayed}
         await asyncio.gather(*(one(g, i) for g in plan.groups for i in range(g.size) if (g.group_id, i) not in have))
         end = time.monotonic()
+        stats = self.pool.stats()
         rewards = [m.rollout.reward for m in done]
         report = {
             "version": version, "gen_start": start, "gen_end": end,
@@ -188,7 +205,7 @@ class RolloutWorker:
                         "tokens": [len(m.rollout.input_ids) for m in sorted(done, key=lambda m: m.rollout.key)],
                         "turns": [m.num_turns for m in sorted(done, key=lambda m: m.rollout.key)]},
             "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
-            "engine": self.pool.name, **self.pool.stats(),
+            "engine": self.pool.name, **stats, "batching": batching_metrics(stats["batching"]),
         }
         if self.cfg.run.save_rollouts:
             report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": m.policy_version}
@@ -212,10 +229,10 @@ class RolloutWorker:
     async def run_one(self, round_: int, version: int, spec: GroupSpec, i: int) -> TrajectoryDone:
         opd = self.cfg.objective == "opd"
 
-        def on_turn(traj, k: int) -> None:  # OPD: the turn goes to the teacher as it closes
+        def on_turn(traj, k: int, last: bool) -> None:  # OPD: the turn goes to the teacher as it closes
             end = traj.turn_spans[k][1]
             self.out_q.put(TurnClosed(round_, version, spec.group_id, i, k, traj.input_ids[:end],
-                                      traj.loss_mask[:end], list(traj.turn_spans), time.monotonic()))
+                                      traj.loss_mask[:end], list(traj.turn_spans), time.monotonic(), last))
 
         env = make_task_env(self.tasks[spec.task_key], self.cfg.rollout.executor, self.base_images)
         generate = self.pool.generate
@@ -269,4 +286,8 @@ def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version
                            run_dir, resumed)
     report_q.put(("ready", "rollout", None))
     go.wait()
-    worker.run(plans)
+    with sigterm_raises():  # failed or terminated: the engine's own processes (vLLM) still end
+        try:
+            worker.run(plans)
+        finally:
+            worker.pool.end()

@@ -66,7 +66,8 @@ class RoundWork:
                    "backward_start": None if n else at, "backward_end": None if n else at, "tokens": e - s,
                    "loss_tokens": n, "staleness": staleness, "reward": None, "share": 1.0,
                    # where the turn's time went before the learner: rollout close -> teacher start -> scores
-                   "closed_at": msg.closed_at, "teacher_start": msg.teacher_start, "prefix_tokens": e}
+                   "closed_at": msg.closed_at, "teacher_start": msg.teacher_start, "prefix_tokens": e,
+                   "last": msg.last}
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, msg.turn)] = row
             return

@@ -16,6 +16,7 @@ from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.datasets.store import open_dataset
 from tsrl_cli.engines.base import request_seed
 from tsrl_cli.envs.images import build_task_images
+from tsrl_cli.envs.pull import require_images
 from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rl.toy import ECHO, EchoEnv, echo_tasks
@@ -50,7 +51,9 @@ def make_task_env(entry: tuple[Path | None, object], executor: str = "local", ba
 def prepare_environments(cfg: TrainConfig, table: dict[str, tuple[Path | None, object]], tokenizer, log_dir: Path,
                          note: Callable[[str], None]) -> None:
     """Before any worker starts: every task's environment can be made, the docker executor's task
-    images exist (built from their Dockerfiles, logs in log_dir), and under rollout.agent oracle
+    images exist (built from their Dockerfiles, logs in log_dir; prebuilt ones already pulled: a missing one
+    is named with the `tsrl env pull` that fetches them, instead of 128 sessions each pulling it inside an
+    environment start), and under rollout.agent oracle
     every task has a reference solution that fits in one turn. The chat format is resolved here first
     (model.chat_template, rollout.thinking), so a tokenizer the agent cannot talk to fails before any
     worker starts. UsageError (exit 2) or ImageBuildFailed (exit 1), one line naming the task, otherwise."""
@@ -63,8 +66,9 @@ def prepare_environments(cfg: TrainConfig, table: dict[str, tuple[Path | None, o
             raise UsageError(f"rollout.executor docker: {reason}")
         for src, dst in base_images.items():
             note(f"docker.base_images: FROM {src} is built from the local image {dst}")
-        build_task_images([e for e in table.values() if e[0] is not None], base_images=base_images, log_dir=log_dir,
-                          progress=note)
+        tasks = [e for e in table.values() if e[0] is not None]
+        build_task_images(tasks, base_images=base_images, log_dir=log_dir, progress=note)
+        require_images(tasks, [n for n in cfg.data.train if n != ECHO])
     longest = (0, "")
     for key, entry in table.items():
         env = make_task_env(entry, ro.executor, base_images)

@@ -40,7 +40,7 @@ from tsrl_cli.rl.group import torchrun_env
 from tsrl_cli.rl.journal import replay_of
 from tsrl_cli.rl.learner import Objective
 from tsrl_cli.rl.learner_worker import learner_main
-from tsrl_cli.rl.replicas import replica_main
+from tsrl_cli.rl.replicas import replica_daemonic, replica_main
 from tsrl_cli.rl.rollout_worker import rollout_main
 from tsrl_cli.rl.runlog import RunLog
 from tsrl_cli.rl.tasks import load_task_table, plan_round, prepare_environments
@@ -279,10 +279,8 @@ class Workers:
                                           self.report_q, rank, world, store, bus_addr if rank == 0 else None))
         if teacher_dir:
             specs["teacher"] = (teacher_main, (cfg, teacher_dir, plans, traj_q, learn_q, self.report_q))
-        # a vLLM replica over several devices starts its own workers: a daemon process may not
-        daemonic = cfg.rollout.engine != "vllm" or cfg.rollout.tensor_parallel == 1
         self.procs = {name: ctx.Process(target=guarded, args=(name, self.report_q, os.getpid(), fn, *args),
-                                        name=f"tsrl-{name}", daemon=daemonic or not name.startswith("engine-"))
+                                        name=f"tsrl-{name}", daemon=replica_daemonic(cfg, name))
                       for name, (fn, args) in specs.items()}
         self.pids_file = Path(run_dir) / PIDS
 
@@ -445,6 +443,7 @@ def round_record(cfg: TrainConfig, k: int, parts: dict, t0: float, sync: dict) -
         "weight_bytes": le["publish"]["bytes"], "weight_sync_bytes": sync.get("bytes"),
         "weight_sync_hosts": sync.get("hosts"), "rollout_engine": ro.get("engine"),
         "rollout_replicas": ro.get("replicas"), "replica_requests": ro.get("replica_requests"),
+        **(ro.get("batching") or {}),  # rollout_batching and replica_* figures (rl/rollout_worker.py batching_metrics)
         "learner_ranks": le.get("learners", 1), "microbatches": le.get("microbatches"),
     }
     if le.get("ranks"):  # per learner rank, in rank order (one entry on a single-device learner)
@@ -503,11 +502,12 @@ def _trajectory_end(it: dict) -> dict:
 
 def _turn_timing(it: dict, rel) -> dict:
     """OPD turn items: when the rollout closed the turn, when the teacher started scoring it (its scores
-    arrived at finished_at_s), and the prefix its backward row covers. Absent on GRPO items."""
+    arrived at finished_at_s), the prefix its backward row covers, and whether it was known to be its
+    trajectory's last as it closed. Absent on GRPO items."""
     if "closed_at" not in it:
         return {}
     return {"closed_at_s": rel(it["closed_at"]), "teacher_start_s": rel(it["teacher_start"]),
-            "prefix_tokens": it["prefix_tokens"]}
+            "prefix_tokens": it["prefix_tokens"], "last": it["last"]}
 
 
 def certificate_summary(rows: list[dict]) -> dict:

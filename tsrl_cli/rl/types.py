@@ -62,6 +62,10 @@ class TurnClosed:
     loss_mask: list[int]
     turn_spans: list[tuple[int, int]]  # spans of turns 0..turn
     closed_at: float
+    # no model turn follows (the turn submitted, or it was rollout.max_turns' last): the learner may take the
+    # trajectory's turns as complete now, before its reward. False where the end is learned later (a token or
+    # wall-clock limit, a submit seen in a tool's output): the TrajectoryDone then says it.
+    last: bool = False
 
 
 @dataclass
@@ -70,8 +74,9 @@ class TurnScored:
 
     `rollout` is the trajectory so far (input_ids up to the turn's end) with teacher_logprobs
     aligned. Its turn_spans end with an empty placeholder span [end, end) standing for the turns
-    still to come: StreamLearner.on_turn ends a trajectory when it has seen len(turn_spans) turns,
-    and the number of turns is known only when the trajectory ends (TrajectoryDone).
+    still to come: StreamLearner.on_turn ends a trajectory when it has seen len(turn_spans) turns.
+    A turn known to be the last (TurnClosed.last) has no placeholder, so its trajectory's turns are
+    complete at its scores, before the reward; otherwise the end comes with TrajectoryDone.
     """
 
     round: int
@@ -81,3 +86,4 @@ class TurnScored:
     closed_at: float  # turn close in the rollout process
     finished_at: float  # scores ready (arrival at the learner's queue)
     teacher_start: float | None = None  # the teacher started scoring it (after waiting in the teacher's queue)
+    last: bool = False  # TurnClosed.last: the rollout has no placeholder span
