@@ -35,7 +35,8 @@ def predict(
     from tsrl_cli.console import console
 
     with cli_errors():
-        from tsrl_cli.predict import load_trace, predict_trace
+        from tsrl_cli.predict import predict_trace
+        from tsrl_cli.traces import load_trace
 
         tr = load_trace(trace)
         cal = None

@@ -27,9 +27,10 @@ from pathlib import Path
 
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import write_atomic, write_json_atomic
-from tsrl_cli.predict import Calibration, RoundTrace, calibrated_drain, load_trace
+from tsrl_cli.predict import Calibration, calibrated_drain
 from tsrl_cli.report.load import config_value, load_results
 from tsrl_cli.report.plots import prediction_residuals
+from tsrl_cli.traces import RoundTrace, load_trace
 
 CALIBRATION_FORMAT = "tsrl-calibration-1"
 BOUNDS = {"cost_scale": (0.05, 20.0), "per_backward_s": (0.0, 10.0), "rollout_slowdown": (0.0, 10.0)}

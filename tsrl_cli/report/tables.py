@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from tsrl_cli.errors import UsageError
-from tsrl_cli.predict import load_trace, predict_rounds
+from tsrl_cli.predict import predict_rounds
 from tsrl_cli.report.aggregate import CELL, LAST_ROUND, STATS, WARMUP_ROUNDS, aggregate, over_seeds, per_seed
 from tsrl_cli.report.load import RUN, Results, Run, config_value, flat_config, numeric
 from tsrl_cli.rundir import EVENTS, SKIP
+from tsrl_cli.traces import load_trace
 
 SCHEDULE_ORDER = {"sync": 0, "stream": 1, "async": 2}
 ROLLING_ROUNDS = 5  # the reward used for targets and budgets: mean of the last 5 rounds' reward

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.errors import UsageError
-from tsrl_cli.predict import load_trace, predict_trace
+from tsrl_cli.predict import predict_trace
 from tsrl_cli.rl.train import train
 from tsrl_cli.rundir import METRICS, RunDir
+from tsrl_cli.traces import load_trace
 
 
 def _predicted(run_dir: Path, warmup: int) -> dict | None:
