@@ -92,7 +92,7 @@ def test_lora_float64_sync_equals_stream_and_only_adapters_train(toy_config, toy
 @pytest.mark.slow
 def test_lora_resume_equals_uninterrupted(toy_config):
     # Streamed sums follow arrival order, which load changes; in float32 a reordered sum differs in its
-    # last bits (this compared bitwise once and failed on a loaded machine), so float64 and 1e-9.
+    # last bits, so a bitwise compare fails on a loaded machine: float64 and 1e-9 instead.
     sets = {"schedule": "stream", "rounds": 3, "run.save_every": 1, "rollout.batch_invariant": True,
             "learner.microbatch": "off", "model.dtype": "float64"}
     full = toy_config(*_set(LORA), out="full", **sets)
