@@ -21,6 +21,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 _FRACTION = re.compile(r"(\d+)/(\d+)")
+_NEXT_WORD = re.compile(r"\s*[A-Za-z]*")
 
 
 def progress_printer(enabled: bool):
@@ -47,13 +48,15 @@ class _BarPrinter:
             (self._progress.console if self._progress else err_console).print(f"[dim]· {msg}[/dim]", highlight=False)
             return
         done, total = int(m.group(1)), int(m.group(2))
-        key = _FRACTION.sub("#", re.sub(r"\(\d+ s\)", "", msg))
+        # one bar per stream of messages: the text up to the first count and the word after it ("pulled #
+        # images"), so what follows (the image just pulled, a running loss) updates the bar, not a new one
+        key = msg[:m.start()] + "#" + _NEXT_WORD.match(msg, m.end()).group(0)
         if self._progress is None:
             self._progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
             self._progress.start()
         if key not in self._tasks:
-            self._tasks[key] = self._progress.add_task(key.replace("#", "").strip(), total=total)
+            self._tasks[key] = self._progress.add_task(" ".join(key.replace("#", "").split()), total=total)
         # the description follows the message, so running figures after the count (e.g. "resolved 3/5") stay current
         desc = " ".join(_FRACTION.sub("", re.sub(r"\(\d+ s\)", "", msg), count=1).split())
         self._progress.update(self._tasks[key], completed=min(done, total), total=total, description=desc)

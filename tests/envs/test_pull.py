@@ -276,6 +276,24 @@ def test_pull_from_a_real_registry_then_train_finds_them(real_registry, tmp_path
     assert (again["present"], again["pulled"], again["download_bytes"]) == (3, [], 0)
 
     require_images(open_dataset(ds).pairs, [ds])  # now nothing is missing
+
+    # prepare-data --pull-images: the same pull right after the records are written
+    client.images.remove(names[1], force=True)
+    res = CliRunner().invoke(app, ["prepare-data", "swe-smith", "--from", str(tmp_path / "train.jsonl"), "--out",
+                                   str(tmp_path / "ds_prep"), "--pull-images", "--max-parallel-pulls", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["written"] == 3 and out["pull"]["pulled"] == [names[1]] and out["pull"]["present"] == 2
+    client.images.get(names[1])
+    # control: an image the registry does not have fails the pull (exit 2, a name to fix), and the records stay
+    rows = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()][:1]
+    rows[0]["image_name"] = f"{host}/tsrl-test/absent:1"
+    (tmp_path / "absent.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    res = CliRunner().invoke(app, ["prepare-data", "swe-smith", "--from", str(tmp_path / "absent.jsonl"), "--out",
+                                   str(tmp_path / "ds_absent"), "--pull-images"])
+    assert res.exit_code == 2 and f"{host}/tsrl-test/absent:1 was not found" in res.stderr, res.output
+    assert f"tsrl env pull {tmp_path / 'ds_absent'}" in " ".join(res.stderr.split()), res.stderr
+    assert open_dataset(tmp_path / "ds_absent").tasks  # written before the pull
     for name in names:
         client.images.remove(name, force=True)
     client.close()

@@ -9,6 +9,7 @@ import typer
 
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt
+from tsrl_cli.errors import OperationFailed, UsageError
 
 data_app = typer.Typer(
     help="Inspect and validate prepared task data.", no_args_is_help=True,
@@ -33,14 +34,25 @@ def prepare_data(
     policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also build the default student and teacher (data/embedded_policy; about 45 min on 2 cores, kept when already built from the same data and recipe).")] = True,
     rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
     policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
+    pull_images: Annotated[bool, typer.Option("--pull-images", help="Then pull every image the prepared tasks run in, as `tsrl env pull OUT` does (sized, disk-checked, a few at a time).")] = False,
+    max_parallel_pulls: Annotated[int, typer.Option(help="--pull-images: pulls at once.")] = 4,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a public task set (hub or local files) into tsrl task records with a manifest.
 
     Prints the task count after each filter. Exit 0 on success, 2 on bad input (nothing is written then).
+    With --pull-images the JSON document carries the pull's summary under "pull"; a pull that fails
+    exits 1 (2 for an image name the registry does not know) with the records already written (`tsrl env
+    pull OUT` finishes it).
     """
     from tsrl_cli.console import console, progress_printer
 
+    with cli_errors():  # before anything is written
+        if pull_images and source in ("embedded", "swebench-local"):
+            raise UsageError(f"--pull-images: the {source} tasks run from local folders or images built here; "
+                             "nothing to pull (leave the flag out)")
+        if max_parallel_pulls < 1:
+            raise UsageError(f"--max-parallel-pulls {max_parallel_pulls}: must be >= 1")
     if source == "embedded":
         return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_out)
     if source == "swebench-local":
@@ -55,10 +67,24 @@ def prepare_data(
             keep_eval_repos=keep_eval_repos, on_error=on_error,
         )
         res = prepare(opts, progress=progress_printer(not json_out))
+    if not json_out:
+        _render_prepare(console, res)
+    if pull_images:
+        with cli_errors():
+            from tsrl_cli.envs.pull import pull_datasets
+
+            try:
+                res["pull"] = pull_datasets([res["out"]], parallel=max_parallel_pulls,
+                                            progress=progress_printer(not json_out))
+            except (UsageError, OperationFailed) as e:  # the records stay: say so, and how to finish
+                raise type(e)(f"{e} (the tasks are written to {res['out']}; `tsrl env pull {res['out']}` "
+                              "pulls what is missing)") from None
+        if not json_out:
+            p = res["pull"]
+            console.print(f"{p['images']} images: {p['present']} were here, {len(p['pulled'])} pulled · "
+                          f"{p['seconds']:.0f} s", highlight=False)
     if json_out:
         typer.echo(json.dumps(res))
-    else:
-        _render_prepare(console, res)
 
 
 def _prepare_embedded(out_root: str, seed: int, json_out: bool, policy: bool = True, rebuild: bool = False,
