@@ -115,3 +115,45 @@ def test_apply_sync_loads_every_bucket_and_sets_the_version_last():
 
     info = apply_sync(engine, FakeBus([], None).receive, first_bucket=lambda: firsts.append("again"))
     assert info["version"] is None and engine.version == 5 and firsts == [0]  # nothing newer: untouched
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_sync_that_misses_a_tensor_is_refused_until_a_complete_one(lora):
+    """A sync that misses a trained tensor would serve two versions' weights under the new number: it
+    raises naming the tensor, the version stays, turns are refused; the next complete sync is served.
+    LoRA syncs carry the adapters alone (policy.trainable_state), and only those are required."""
+    from tsrl_cli.engines.base import SamplingParams, TurnRequest
+    from tsrl_cli.policy import trainable_state, wrap_lora
+
+    if lora:
+        pytest.importorskip("peft", reason="LoRA needs the peft package (pip install -e '.[lora]')")
+
+    def policy(seed):  # with LoRA the engine and the learner share the base, as a run's do
+        m = build_tiny_model(0 if lora else seed, torch.float64)
+        return wrap_lora(m, 4, 8.0, ("q_proj", "v_proj"), seed) if lora else m
+
+    engine = engine_on_model(policy(0))
+    learner = policy(1)
+    with torch.no_grad():  # adapters start with B = 0: give them weights that change the samples
+        for n, p in learner.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(n)))
+    sent = trainable_state(learner)
+    assert len(sent) < len(dict(learner.named_parameters())) if lora else len(sent) == len(dict(learner.named_parameters()))
+    names = sorted(sent)
+    turn = [TurnRequest([1, 2, 3], SamplingParams(max_tokens=6, seed=7))]
+    before = engine.generate(turn)[0]
+
+    dropped = names[-1]
+    with pytest.raises(RuntimeError, match=f"missed 1 of the model's {len(names)} trained tensors \\(first: {dropped}\\)"):
+        apply_sync(engine, FakeBus([{n: sent[n] for n in names[:-1]}], 6).receive)
+    assert engine.version == 0
+    with pytest.raises(RuntimeError, match="turns are refused until a sync carries them all"):
+        engine.generate(turn)
+
+    info = apply_sync(engine, FakeBus([{n: sent[n] for n in names[:2]}, {n: sent[n] for n in names[2:]}], 7).receive)
+    assert info["version"] == 7 == engine.version
+    after = engine.generate(turn)[0]
+    reference = engine_on_model(learner).generate(turn)[0]  # the learner's own weights, served directly
+    assert after.token_ids == reference.token_ids and after.logprobs == pytest.approx(reference.logprobs, abs=1e-12)
+    assert after.logprobs != pytest.approx(before.logprobs, abs=1e-6)  # control: the sync changed what is served

@@ -129,22 +129,43 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self._added: list[tuple[int, TurnRequest]] = []  # admitted, prefilled at the next step
         self._batches: list[_Batch] = []  # running rows (one batch; one per row with batch_invariant)
+        # what one weight sync must carry: the parameters the learner trains (all of them, or the LoRA
+        # adapters: policy.trainable_state), tied ones once
+        self._synced = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        self._received: set[str] = set()  # names loaded since the last finish_weights
+        self._refused: str | None = None  # why turns are refused (a sync missed tensors), else None
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int) -> None:
-        """Copy new weights in place (between rounds); `version` becomes the policy version."""
+        """Copy new weights in place (between rounds; one bus bucket at a time through engines/base.py
+        apply_sync, which calls finish_weights after the last); `version` becomes the policy version."""
         params = dict(self.model.named_parameters())
         for name, t in dict(named_tensors).items():
             if name not in params:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
             params[name].copy_(t.to(params[name].dtype))
+            self._received.add(name)
         self.version = version
+
+    def finish_weights(self) -> None:
+        """The sync is in: a sync that missed any trained tensor would serve a mix of two versions under
+        the new version number, so it raises naming the first, and turns are refused until a sync carries
+        them all (as VLLMEngine)."""
+        received, self._received = self._received, set()
+        missing = sorted(self._synced - received)
+        self._refused = (f"a weight sync missed {len(missing)} of the model's {len(self._synced)} trained "
+                         f"tensors (first: {missing[0]}); turns are refused until a sync carries them all"
+                         ) if missing else None
+        if self._refused:
+            raise RuntimeError(f"HFEngine: {self._refused}")
 
     # ---- continuous batching (engines/base.py SteppingEngine) -------------------------------------------
     def add(self, rid: int, request: TurnRequest) -> None:
         """Admit one turn; it is prefilled and joins the running batch at the next step."""
         if not request.context_ids:
             raise ValueError("a turn request needs a non-empty context")
+        if self._refused:
+            raise RuntimeError(f"HFEngine.add: {self._refused}")
         self._added.append((rid, request))
 
     def running(self) -> int:
