@@ -197,7 +197,20 @@ class BatchingStats:
         return out
 
 
-class TurnBatcher:
+class _Queued:
+    """What both batchers share: a session's turn goes on the worker thread's queue and is awaited."""
+
+    _q: queue.Queue
+    clock: Callable[[], float]
+
+    async def generate(self, request: TurnRequest) -> TurnOutput:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._q.put(_Pending(request, fut, loop, self.clock()))
+        return await fut
+
+
+class TurnBatcher(_Queued):
     """Serve `await batcher.generate(req)` from many asyncio sessions with batched engine calls (static).
 
     One worker thread owns the engine: it takes every request waiting at that moment (up to
@@ -214,12 +227,6 @@ class TurnBatcher:
         self._q: queue.Queue[_Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
         self._thread.start()
-
-    async def generate(self, request: TurnRequest) -> TurnOutput:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._q.put(_Pending(request, fut, loop, self.clock()))
-        return await fut
 
     def _work(self) -> None:
         while True:
@@ -272,7 +279,7 @@ class TurnBatcher:
 _WAKE = object()  # put on a ContinuousBatcher's queue to wake its worker (a pause asked)
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(_Queued):
     """Serve `await batcher.generate(req)` from many asyncio sessions; each turn joins the running batch.
 
     One worker thread owns the engine (a SteppingEngine). Each loop it admits every waiting turn
@@ -299,12 +306,6 @@ class ContinuousBatcher:
         self._q: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
         self._thread.start()
-
-    async def generate(self, request: TurnRequest) -> TurnOutput:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._q.put(_Pending(request, fut, loop, self.clock()))
-        return await fut
 
     def _take(self, block: bool) -> list:
         items = [self._q.get()] if block else []
