@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tsrl_cli.agent.renderer import ChatMLRenderer
+from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, config_diff, dump_config
 from tsrl_cli.devices import check_available, device_of, learner_devices, rollout_replicas
 from tsrl_cli.errors import OperationFailed, UsageError
@@ -59,14 +59,19 @@ class TrainError(OperationFailed):
     """A worker process failed; the message names it and its last traceback line."""
 
 
-def resolve_model(spec: str, key: str) -> str:
-    """A policy directory for `spec`: builtin:toy* is built (cached), a directory must hold a model."""
+def resolve_model(spec: str, key: str, cfg: TrainConfig | None = None) -> str:
+    """A policy directory for `spec`: builtin:toy* is built (cached), a directory must hold a model and a
+    tokenizer; with `cfg` (the policy), one the agent can talk to in the run's chat format
+    (model.chat_template, rollout.thinking: agent/template.py make_renderer), or exit 2 now rather than
+    in a worker. The teacher only scores the student's tokens: its tokenizer must load."""
     if spec.startswith(TOY_PREFIX):
         return str(ensure_toy_policy(spec))
     p = Path(spec)
     if (p / "config.json").is_file():
-        try:  # a ChatML tokenizer beside the weights, or exit 2 now rather than in a worker
-            ChatMLRenderer(load_tokenizer(p))
+        try:
+            tok = load_tokenizer(p)
+            if cfg is not None:
+                make_renderer(tok, cfg.model.chat_template, cfg.rollout.thinking)
         except UsageError as e:
             raise UsageError(f"{key}: {spec}: {e}") from None
         return str(p)
@@ -74,7 +79,7 @@ def resolve_model(spec: str, key: str) -> str:
         raise UsageError(f"{key}: the embedded default policy is missing ({spec}): run `tsrl prepare-data embedded` "
                          "first, or pass a model directory")
     raise UsageError(f"{key}: {spec} is not a model directory (no config.json); pass a directory written by "
-                     "save_pretrained with a ChatML tokenizer, or builtin:toy")
+                     "save_pretrained with its tokenizer, or builtin:toy")
 
 
 def check_placement(cfg: TrainConfig) -> None:
@@ -162,7 +167,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     require_trackers(cfg.run.trackers)  # a tracker asked for but not installed: exit 2 before anything is written
     table = load_task_table(cfg.data.train, cfg.data.limit)
     keys = list(table)
-    policy_dir = resolve_model(cfg.model.policy, "model.policy")
+    policy_dir = resolve_model(cfg.model.policy, "model.policy", cfg)
     teacher_dir = resolve_model(cfg.model.teacher, "model.teacher") if cfg.objective == "opd" else None
     start, init_dir, offsets = _prepare_run(run, cfg, resume, policy_dir)
     prepare_environments(cfg, table, load_tokenizer(policy_dir), run.root / "builds",
