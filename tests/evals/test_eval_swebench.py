@@ -52,7 +52,7 @@ def no_docker(monkeypatch):
         raise AssertionError("a model was loaded although Docker is missing")
 
     monkeypatch.setattr(sb, "open_engine", never)
-    monkeypatch.setattr(sb, "chatml_tokenizer", never)
+    monkeypatch.setattr(sb, "agent_tokenizer", never)
 
 
 def row(ds, iid=IID):

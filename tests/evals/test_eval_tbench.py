@@ -58,7 +58,7 @@ def test_cli_local_with_a_checkpoint(suite, ckpt, tmp_path):
 
 def test_docker_executor_without_daemon_exit_2(tbds, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", BOGUS_DOCKER)
-    for loader in ("open_engine", "chatml_tokenizer"):
+    for loader in ("open_engine", "agent_tokenizer"):
         monkeypatch.setattr(tb, loader, lambda *a, **k: pytest.fail("model loaded without Docker"))
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m", "--instances", "hello-world"])
     assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""

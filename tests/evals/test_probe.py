@@ -117,3 +117,34 @@ def test_probe_of_other_weights_into_the_same_folder_exit_2(setup, tmp_path):
     res = _probe(setup, out, model=pol)
     assert res.exit_code == 2 and "other settings" in res.stderr and "model_sha256" in res.stderr
     assert (out / "records.jsonl").read_text() == before  # nothing written over
+
+
+def test_chat_template_and_thinking_flags_choose_the_format(setup, tmp_path):
+    """--chat-template and --thinking reach the agent: a Qwen3-template policy speaks its template by
+    default, ChatML under --chat-template chatml, with the thinking switch under --thinking; a thinking
+    switch the tokenizer lacks is exit 2 naming the flags, before anything is written."""
+    from pathlib import Path
+
+    from tsrl_cli.tokenizer import with_chat_template
+
+    fixtures = Path(__file__).parents[1] / "fixtures" / "chat_templates"
+    qtok = with_chat_template(train_chatml_tokenizer(["```bash\nls -la\n```", "Make the script executable."] * 20,
+                                                     vocab_size=300), (fixtures / "qwen3.jinja").read_text(),
+                              ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    build_tiny_model(0, torch.float32, vocab_size=len(qtok)).save_pretrained(tmp_path / "qwen3_policy")
+    qtok.save_pretrained(tmp_path / "qwen3_policy")
+
+    def formats(out, *flags):
+        res = _probe(setup, tmp_path / out, *flags, model=tmp_path / "qwen3_policy")
+        assert res.exit_code == 0, res.output
+        return {json.loads(x)["chat_format"] for x in (tmp_path / out / "records.jsonl").read_text().splitlines()}
+
+    auto, chatml, thinking = formats("auto"), formats("chatml", "--chat-template", "chatml"), formats("think", "--thinking")
+    assert chatml == {"chatml"} and len(auto) == len(thinking) == 1
+    a, t = auto.pop(), thinking.pop()
+    assert a.startswith("template sha256:") and a.endswith("thinking=off") and t == a.replace("=off", "=on")
+
+    res = _probe(setup, tmp_path / "refused", "--thinking")  # the ChatML policy has no thinking switch
+    assert res.exit_code == 2 and not (tmp_path / "refused").exists(), res.output
+    assert "--thinking: this tokenizer's chat template declares no tools" in res.stderr
+    assert "use --no-thinking" in res.stderr and "rollout." not in res.stderr

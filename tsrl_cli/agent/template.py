@@ -164,13 +164,31 @@ def declares_tools(tokenizer) -> bool:
     return with_tools != without
 
 
-def make_renderer(tokenizer, chat_template: str = "auto", thinking: bool = False):
-    """The agent's renderer for `tokenizer` (model.chat_template, rollout.thinking).
+# how a command's own flags name the two settings (tsrl eval, tsrl policy probe), for its error lines
+FLAG_NAMES = {"model.chat_template": "--chat-template", "rollout.thinking true": "--thinking",
+              "rollout.thinking false": "--no-thinking"}
+
+
+def make_renderer(tokenizer, chat_template: str = "auto", thinking: bool = False, *, flags: bool = False):
+    """The agent's renderer for `tokenizer` (model.chat_template, rollout.thinking; with `flags`, errors
+    name them as --chat-template and --thinking, the flags of tsrl eval and tsrl policy probe).
 
     auto: the tokenizer's own chat template when it declares tools (Qwen3 and current open models), else
     ChatML. The builtin policies' tokenizer (tsrl_cli/tokenizer.py) has a ChatML template without tools, so
     auto gives them chatml: the fenced-bash text format they were trained on. chatml: that format always.
     """
+    try:
+        return _make_renderer(tokenizer, chat_template, thinking)
+    except UsageError as e:
+        if not flags:
+            raise
+        msg = str(e)
+        for key, flag in FLAG_NAMES.items():
+            msg = msg.replace(key, flag)
+        raise UsageError(msg) from None
+
+
+def _make_renderer(tokenizer, chat_template: str, thinking: bool):
     if chat_template not in CHAT_TEMPLATES:
         raise UsageError(f"model.chat_template {chat_template!r}: use one of {', '.join(CHAT_TEMPLATES)}")
     if chat_template == "auto" and declares_tools(tokenizer):

@@ -13,7 +13,16 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
-from tsrl_cli.cli._options import DeviceOpt, JsonOpt, OutOpt, SeedsOpt, TempOpt, announce_device
+from tsrl_cli.cli._options import (
+    ChatTemplateOpt,
+    DeviceOpt,
+    JsonOpt,
+    OutOpt,
+    SeedsOpt,
+    TempOpt,
+    ThinkingOpt,
+    announce_device,
+)
 from tsrl_cli.cli._options import split_list as _split
 
 eval_app = typer.Typer(
@@ -28,7 +37,7 @@ eval_app = typer.Typer(
 )
 def embedded(
     *,
-    model: Annotated[str, typer.Option(help="Policy directory: model + ChatML tokenizer (save_pretrained), e.g. a tsrl train checkpoint.")] = "data/embedded_policy/student",
+    model: Annotated[str, typer.Option(help="Policy directory: model + its tokenizer (save_pretrained), e.g. a tsrl train checkpoint.")] = "data/embedded_policy/student",
     datasets: Annotated[list[str] | None, typer.Option("--datasets", help="Prepared datasets, comma-separated or repeated. Default: embedded_repair_heldout,embedded_terminal_heldout.")] = None,
     samples: Annotated[int, typer.Option(help="Trajectories per task (and seed).")] = 1,
     temperature: TempOpt = 0.0,
@@ -37,6 +46,8 @@ def embedded(
     limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
     out: OutOpt = None,
     concurrency: Annotated[int, typer.Option(help="Agent sessions at once (their model turns are batched).")] = 16,
+    chat_template: ChatTemplateOpt = "auto",
+    thinking: ThinkingOpt = False,
     device: DeviceOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -55,8 +66,8 @@ def embedded(
         limits = AgentLimits() if max_turns is None else replace(AgentLimits(), max_turns=max_turns)
         res = run_embedded_eval(model, _split(datasets) or DEFAULT_DATASETS, out_dir=out, samples=samples,
                                 seeds=tuple(seed or (0,)), temperature=temperature, limits=limits, limit=limit,
-                                concurrency=concurrency, device=announce_device(device),
-                                progress=progress_printer(not json_out))
+                                concurrency=concurrency, device=announce_device(device), chat_template=chat_template,
+                                thinking=thinking, progress=progress_printer(not json_out))
     _emit(res, json_out)
 
 
@@ -80,6 +91,8 @@ def swebench(
     harness_dataset: Annotated[str | None, typer.Option(help="What the harness grades against: a hub id or a .jsonl/.parquet of swebench 5.x rows. Default: the rows of --dataset.")] = None,
     no_grade: Annotated[bool, typer.Option("--no-grade", help="Only run the agent and write predictions.jsonl (no score).")] = False,
     timeout_s: Annotated[int, typer.Option(help="Harness time limit per instance's tests, in seconds.")] = 1800,
+    chat_template: ChatTemplateOpt = "auto",
+    thinking: ThinkingOpt = False,
     device: DeviceOpt = None,
     out: OutOpt = None,
     json_out: JsonOpt = False,
@@ -96,7 +109,8 @@ def swebench(
         res = run_swebench(model, engine=engine, dataset=dataset, instances=_split(instances), workers=workers,
                            temperature=temperature, max_turns=max_turns, out_dir=out, grade_only=grade_only,
                            harness_dataset=harness_dataset, no_grade=no_grade, timeout_s=timeout_s, agent=agent,
-                           device=announce_device(device) if plays else None, progress=progress_printer(not json_out))
+                           device=announce_device(device) if plays else None, chat_template=chat_template,
+                           thinking=thinking, progress=progress_printer(not json_out))
     _emit(res, json_out)
 
 
@@ -127,6 +141,8 @@ def tbench(
     harbor_in_docker: Annotated[bool, typer.Option("--harbor-in-docker", help="--via-harbor: run harbor in a Debian trixie image built here (Python 3.13, pinned harbor), against this machine's Docker daemon; for machines whose Python is older than 3.12.")] = False,
     agent: Annotated[str, typer.Option(help="policy (the model), oracle (each task's solution/solve.sh) or nop (no action): Harbor's controls.")] = "policy",
     base_image: Annotated[list[str] | None, typer.Option(help="FROM=LOCAL: build Dockerfiles whose FROM is FROM from the local image LOCAL (repeatable; printed and recorded in config.json).")] = None,
+    chat_template: ChatTemplateOpt = "auto",
+    thinking: ThinkingOpt = False,
     device: DeviceOpt = None,
     out: OutOpt = None,
     json_out: JsonOpt = False,
@@ -153,7 +169,8 @@ def tbench(
                              instances=_split(instances), out_dir=out, workers=workers,
                              progress=progress_printer(not json_out), agent=agent,
                              base_images=parse_base_images(base_image or []),
-                             device=announce_device(device) if agent == "policy" else None)
+                             device=announce_device(device) if agent == "policy" else None,
+                             chat_template=chat_template, thinking=thinking)
     if via_harbor:
         if json_out:
             typer.echo(json.dumps(res))

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tsrl_cli.cli._errors import cli_errors
-from tsrl_cli.cli._options import DeviceOpt, JsonOpt, LimitOpt, OutOpt, announce_device
+from tsrl_cli.cli._options import ChatTemplateOpt, DeviceOpt, JsonOpt, LimitOpt, OutOpt, ThinkingOpt, announce_device
 
 policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and trajectory statistics.",
                          no_args_is_help=True, add_completion=False)
@@ -21,12 +21,14 @@ policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and
 )
 def probe(
     *,
-    model: Annotated[str, typer.Option(help="Policy directory (model + ChatML tokenizer, as save_pretrained writes). Default: the embedded student; data/embedded_policy/teacher is the teacher.")] = "data/embedded_policy/student",
+    model: Annotated[str, typer.Option(help="Policy directory (model + its tokenizer, as save_pretrained writes). Default: the embedded student; data/embedded_policy/teacher is the teacher.")] = "data/embedded_policy/student",
     tasks: Annotated[list[str] | None, typer.Option(help="Prepared dataset(s) to sample on (repeatable), e.g. embedded_repair_train; `embedded-train` (default) and `embedded-heldout` name both embedded sets of a split.")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a GRPO group).")] = 8,
     limit: LimitOpt = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed (per-request seeds derive from it).")] = 0,
+    chat_template: ChatTemplateOpt = "auto",
+    thinking: ThinkingOpt = False,
     device: DeviceOpt = None,
     out: OutOpt = None,
     json_out: JsonOpt = False,
@@ -40,8 +42,8 @@ def probe(
 
     with cli_errors():
         res = probe_policy(model, tasks or ["embedded-train"], samples=samples, temperature=temperature, seed=seed,
-                           limit=limit, out_dir=out, device=announce_device(device),
-                           progress=progress_printer(not json_out))
+                           limit=limit, out_dir=out, device=announce_device(device), chat_template=chat_template,
+                           thinking=thinking, progress=progress_printer(not json_out))
     if json_out:
         typer.echo(json.dumps(res, default=str))
         return

@@ -35,7 +35,7 @@ from tsrl_cli.evals.runner import (
     DEFAULT_LIMITS,
     SUMMARY,
     Job,
-    chatml_tokenizer,
+    agent_tokenizer,
     make_jobs,
     open_out_dir,
     run_jobs,
@@ -165,7 +165,8 @@ def evaluate_embedded(
 
 def run_embedded_eval(model_dir: str = DEFAULT_MODEL, datasets: Iterable[str] = DEFAULT_DATASETS, *,
                       out_dir: str | Path | None = None, device: str | None = None, samples: int = 1,
-                      seeds: Iterable[int] = (0,), limit: int | None = None, **kw) -> dict:
+                      seeds: Iterable[int] = (0,), limit: int | None = None, chat_template: str = "auto",
+                      thinking: bool = False, **kw) -> dict:
     """`tsrl eval embedded`: check the inputs, open the policy directory's hf engine on `device` (None: the
     first GPU where there is one, else cpu; devices.engine_device), evaluate, write the results."""
     if not (Path(model_dir) / "config.json").is_file():
@@ -175,8 +176,8 @@ def run_embedded_eval(model_dir: str = DEFAULT_MODEL, datasets: Iterable[str] = 
     seeds = tuple(seeds)
     make_jobs(loaded, samples, seeds)  # --samples and --seed checked before the model loads
     dev = engine_device(device)
-    tok = chatml_tokenizer(model_dir)
+    tok = agent_tokenizer(model_dir, chat_template, thinking)
     engine, _ = open_engine(model_dir, "hf", (dev,))
     out_dir = out_dir if out_dir is not None else Path("results/eval") / f"embedded-{Path(model_dir).resolve().name}"
     return evaluate_embedded(None, tok, loaded, out_dir=out_dir, model_name=str(model_dir), engine=engine,
-                             samples=samples, seeds=seeds, **kw)
+                             samples=samples, seeds=seeds, chat_template=chat_template, thinking=thinking, **kw)

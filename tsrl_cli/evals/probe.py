@@ -24,7 +24,7 @@ from tsrl_cli.devices import engine_device
 from tsrl_cli.engines.load import engine_config, open_engine
 from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.errors import UsageError
-from tsrl_cli.evals.runner import SUMMARY, chatml_tokenizer, make_jobs, open_out_dir, record_key, run_jobs
+from tsrl_cli.evals.runner import SUMMARY, agent_tokenizer, make_jobs, open_out_dir, record_key, run_jobs
 from tsrl_cli.files import write_json_atomic
 from tsrl_cli.policy import weights_sha256
 
@@ -40,8 +40,8 @@ def expand_task_sets(names: Iterable[str]) -> list[str]:
 def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("embedded-train",), *, samples: int = 8,
                  temperature: float = 1.0, seed: int = 0, limit: int | None = None,
                  out_dir: str | Path | None = None, limits: AgentLimits = AgentLimits(), concurrency: int = 16,
-                 max_batch: int = 16, policy=None, device: str | None = None,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 max_batch: int = 16, policy=None, device: str | None = None, chat_template: str = "auto",
+                 thinking: bool = False, progress: Callable[[str], None] | None = None) -> dict:
     """Sample every task `samples` times at `temperature`; returns the summary (also OUT/summary.json).
 
     The hf engine opens `model_dir` on `device` (None: the first GPU where there is one, else cpu).
@@ -61,7 +61,7 @@ def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("em
     out = Path(out_dir) if out_dir is not None else Path("results/probe") / Path(model_dir).resolve().name
     if policy is None:  # a bad model fails before OUT exists
         dev = engine_device(device)
-        tok = chatml_tokenizer(str(model_dir))
+        tok = agent_tokenizer(str(model_dir), chat_template, thinking)
         engine, _ = open_engine(str(model_dir), "hf", (dev,))
     else:
         engine, tok = policy
@@ -75,7 +75,7 @@ def probe_policy(model_dir: str | Path, datasets: Iterable[str | Dataset] = ("em
     t0 = time.perf_counter()
     records = run_jobs(engine, tok, jobs, make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
                        temperature=temperature, limits=limits, concurrency=concurrency, max_batch=max_batch, log=log,
-                       progress=progress)
+                       progress=progress, chat_template=chat_template, thinking=thinking)
     summary = summarize_probe(records, time.perf_counter() - t0)
     summary.update(config=config, datasets=names, samples=samples, seed=seed, resumed_trajectories=resumed,
                    out=str(out))

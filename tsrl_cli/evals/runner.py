@@ -134,13 +134,13 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
     return RecordLog(out / RECORDS)
 
 
-def chatml_tokenizer(model: str):
-    """The tokenizer of a policy directory or hub id, checked that the agent can talk to it (its own chat
-    template when that declares tools, else ChatML: agent/template.py make_renderer's auto): called before
-    any output is written, so a policy the agent cannot talk to fails first. The engine itself comes from
+def agent_tokenizer(model: str, chat_template: str = "auto", thinking: bool = False):
+    """The tokenizer of a policy directory or hub id, checked that the agent can talk to it in the chat
+    format of --chat-template and --thinking (agent/template.py make_renderer): called before any output
+    is written, so a policy the agent cannot talk to fails first. The engine itself comes from
     engines/load.py open_engine."""
     tok = load_tokenizer(model)
-    make_renderer(tok)
+    make_renderer(tok, chat_template, thinking, flags=True)
     return tok
 
 

@@ -49,7 +49,7 @@ from tsrl_cli.evals.runner import (
     AGENTS,
     SUMMARY,
     RecordLog,
-    chatml_tokenizer,
+    agent_tokenizer,
     make_jobs,
     open_out_dir,
     require_docker,
@@ -290,8 +290,8 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
                  instances: list[str] | None = None, workers: int = 4, temperature: float = 0.0,
                  max_turns: int | None = None, out_dir: str | Path | None = None, grade_only: str | None = None,
                  harness_dataset: str | None = None, no_grade: bool = False, timeout_s: int = 1800,
-                 agent: str = "policy", device: str | None = None,
-                 progress: Callable[[str], None] = lambda m: None) -> dict:
+                 agent: str = "policy", device: str | None = None, chat_template: str = "auto",
+                 thinking: bool = False, progress: Callable[[str], None] = lambda m: None) -> dict:
     """`tsrl eval swebench`: rollouts -> predictions.jsonl -> official harness -> summary (see module docstring).
 
     The policy's engine (`engine` hf or vllm) opens on `device` (None: the first GPU where there is one,
@@ -329,7 +329,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     limits = DEFAULT_LIMITS if max_turns is None else AgentLimits(**{**DEFAULT_LIMITS.__dict__, "max_turns": max_turns})
     pol, tok = None, None
     if agent == "policy":
-        tok = chatml_tokenizer(model)
+        tok = agent_tokenizer(model, chat_template, thinking)
         pol, _ = open_engine(model, engine, (dev,))
     engines = engine_config(pol) if pol is not None else {"engine": "none", "dtype": None, "device": None}
     config = {"model": model_name, **engines, "temperature": temperature, "top_p": 1.0,
@@ -343,7 +343,7 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
     jobs = make_jobs([ds], samples=1, seeds=(0,))
     records = run_jobs(pol, tok, jobs, make_env=lambda j: SWEbenchEnv(j.task), collect_patch=_swebench_patch,
                        temperature=temperature, limits=limits, concurrency=workers, max_batch=max(8, workers),
-                       log=log, progress=progress, agent=agent)
+                       log=log, progress=progress, agent=agent, chat_template=chat_template, thinking=thinking)
     preds = predictions_from_records([r for r in records if not r.get("error")], model_name)
     write_jsonl_atomic(out / PREDICTIONS, preds)
     base = {"config": config, "out": str(out), "predictions": str(out / PREDICTIONS), "wall_s": None,

@@ -43,7 +43,7 @@ from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.runner import (
     AGENTS,
     SUMMARY,
-    chatml_tokenizer,
+    agent_tokenizer,
     make_jobs,
     open_out_dir,
     require_docker,
@@ -88,7 +88,8 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
                seeds: tuple[int, ...] = (0,), temperature: float = 0.0, max_turns: int | None = None,
                limit: int | None = None, instances: list[str] | None = None, out_dir: str | Path | None = None,
                workers: int = 16, policy=None, progress: Callable[[str], None] | None = None,
-               agent: str = "policy", base_images: dict[str, str] | None = None, device: str | None = None) -> dict:
+               agent: str = "policy", base_images: dict[str, str] | None = None, device: str | None = None,
+               chat_template: str = "auto", thinking: bool = False) -> dict:
     """Run tsrl's agent loop on each task in its environment, score with tests/test.sh, summarize.
 
     `model` opens in the `engine` (hf or vllm) on `device` (None: the first GPU where there is one, else
@@ -114,7 +115,7 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
         if engine not in ENGINES:
             raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
         dev = engine_device(device)
-        tok = chatml_tokenizer(model)  # before any output, the builds' logs included
+        tok = agent_tokenizer(model, chat_template, thinking)  # before any output, the builds' logs included
     if max_turns is not None:
         base = replace(base, max_turns=max_turns)
 
@@ -150,7 +151,8 @@ def run_tbench(model: str | None, *, dataset: str, executor: str = "docker", eng
 
     t0 = time.perf_counter()
     records = run_jobs(pol, tok, make_jobs([ds], samples, seeds), make_env=make_env, temperature=temperature,
-                       limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress, agent=agent)
+                       limits=limits_for, concurrency=workers, max_batch=16, log=log, progress=progress, agent=agent,
+                       chat_template=chat_template, thinking=thinking)
     s = summarize_eval(records, label=lab, datasets=[name])
     s.update(config=config, samples=samples, seeds=list(seeds), out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     write_json_atomic(out / SUMMARY, s, sort_keys=True)
