@@ -220,6 +220,21 @@ def test_wandb_offline_by_default_and_resume_keeps_the_run_id(tmp_path, monkeypa
     assert wandb_key_configured()
 
 
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (the dev extra has it)")
+def test_a_run_that_stopped_on_an_error_is_a_failed_wandb_run(tmp_path, monkeypatch):
+    wandb_env(monkeypatch, tmp_path / "home")
+    codes = {}
+    for failed in (False, True):  # control: the same run closed normally exits 0
+        run_dir = tmp_path / f"run-{failed}"
+        run_dir.mkdir()
+        t = open_trackers(run_dir, TrainConfig(), ["wandb"])
+        t.log({"round": 1, "loss": 1.0}, step=1)
+        t.close(failed=failed)
+        f = next((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+        codes[failed] = [r.exit.exit_code for r in wandb_records(f) if r.WhichOneof("record_type") == "exit"]
+    assert codes == {False: [0], True: [1]}
+
+
 # ---- a real run -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

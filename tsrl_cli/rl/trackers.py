@@ -74,7 +74,7 @@ class TensorBoard:
             self.writer.add_scalar(key, value, step, new_style=True, double_precision=True)
         self.writer.flush()  # one flush per round: a crashed run keeps what it logged
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -123,10 +123,10 @@ class WandB:
     def log(self, values: dict[str, int | float], step: int) -> None:
         self.run.log({**values, "round": step})
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         import wandb
 
-        self.run.finish()
+        self.run.finish(exit_code=1 if failed else 0)  # a run that stopped on an error shows as failed
         # finish() can return before wandb's service process has written the run's file (seen here: a
         # .wandb of 7 bytes right after finish, complete later); teardown waits for that process to exit,
         # so the file is complete before DONE is written. It ends this process's W&B session.
@@ -152,9 +152,10 @@ class Trackers:
         for b in self.backends:
             b.log(values, step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every backend; `failed`: the run stopped on an error (W&B marks the run failed)."""
         for b in self.backends:
-            b.close()
+            b.close(failed)
         self.backends = []
 
 
@@ -167,7 +168,7 @@ def open_trackers(run_dir: str | Path, cfg: TrainConfig, names: tuple[str, ...] 
         try:
             opened.backends.append(OPENERS[name](Path(run_dir), cfg, first_round))
         except BaseException as e:
-            opened.close()  # the ones already open
+            opened.close(failed=True)  # the ones already open
             if isinstance(e, ImportError):  # installed but broken (a dependency of the backend is missing)
                 raise UsageError(f"run.trackers: {name} does not import ({e}); "
                                  f"pip install -e '.[{BACKENDS[name][1]}]'") from None

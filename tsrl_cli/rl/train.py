@@ -192,6 +192,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     trackers = open_trackers(run.root, cfg, cfg.run.trackers, first_round=start + 1)
     for note in trackers.notes:
         progress({"event": "log", "who": "trackers", "line": note})
+    failed = True
     try:
         if plans:
             save_initial = (cfg.run.save_every > 0 or cfg.eval.every > 0) and start == 0
@@ -201,8 +202,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
             run.forget_journal()  # the last round's checkpoint holds every round (and no worker writes now)
         if cfg.eval.every > 0:
             evaluate_checkpoints(cfg, run, progress, trackers)
+        failed = False
     finally:
-        trackers.close()  # before DONE, which is written last
+        trackers.close(failed)  # before DONE, which is written last
     summary = summarize(cfg, run)
     run.write_done(summary)
     progress({"event": "done", "summary": summary})
