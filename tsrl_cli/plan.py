@@ -32,7 +32,7 @@ import torch
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
-from tsrl_cli.engines.vllm import lora_rank_cap
+from tsrl_cli.engines.vllm import MAX_LORAS, lora_rank_cap
 from tsrl_cli.errors import UsageError
 from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step, teacher_scoring
 from tsrl_cli.policy import TORCH_DTYPES, build_from_config, model_config
@@ -50,9 +50,6 @@ CUDA_RUNTIME_BYTES = 2 * GiB
 # rollout.max_batch (rl/replicas.py) and leaves the token budget on a GPU to vLLM's default for the LLM class on a GPU
 # of 70 GiB or more (vllm/engine/arg_utils.py; not checked against 0.33)
 VLLM_PROFILE_TOKENS = 16384
-# vLLM's LoRA (vllm/config/lora.py LoRAConfig): adapters held at once, as engines/vllm.py passes max_loras (one: the
-# round's policy); their stacked buffers come at engines.vllm.lora_rank_cap's rank
-VLLM_MAX_LORAS = 1
 # vLLM shards these layers by rows (ColumnParallelLinear: the output split over tensor-parallel ranks); the others
 # of Qwen3's decoder (o_proj, down_proj) by columns (RowParallelLinear: the input split)
 VLLM_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -233,11 +230,11 @@ def vllm_lora(cfg: TrainConfig, config, tp: int) -> tuple[int, int, dict]:
             continue
         n_in, n_out = mod.in_features, mod.out_features
         split_in, split_out = (n_in, -(-n_out // tp)) if leaf in VLLM_COLUMN_PARALLEL else (-(-n_in // tp), n_out)
-        device += VLLM_MAX_LORAS * r * (split_in + split_out) * b
+        device += MAX_LORAS * r * (split_in + split_out) * b
         if leaf in cfg.lora.targets:
-            host += VLLM_MAX_LORAS * cfg.lora.rank * (n_in + n_out) * b
+            host += MAX_LORAS * cfg.lora.rank * (n_in + n_out) * b
     buffers = 4 * VLLM_PROFILE_TOKENS * 8 + 3 * VLLM_PROFILE_TOKENS * r * 4
-    return device + buffers, host, {"lora_stacked_rank": r, "max_loras": VLLM_MAX_LORAS}
+    return device + buffers, host, {"lora_stacked_rank": r, "max_loras": MAX_LORAS}
 
 
 def vllm_process(cfg: TrainConfig, config, name: str, device: str, tp: int, capacity: int, sessions: int,

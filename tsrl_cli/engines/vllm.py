@@ -47,6 +47,7 @@ from tsrl_cli.errors import UsageError
 from tsrl_cli.policy import parameter_names
 
 WORKER_EXTENSION = "tsrl_cli.engines.vllm_worker.TsrlWorkerExtension"
+MAX_LORAS = 1  # adapters vLLM holds at once (LoRAConfig.max_loras): one, the round's policy (tsrl plan prices it)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM LoRAConfig.max_lora_rank's values (vllm/config/lora.py)
 ADAPTER_KEY = re.compile(r"\.(lora_[AB])\.[^.]+\.weight$")  # PEFT's live name: ...q_proj.lora_A.<adapter>.weight
 
@@ -77,7 +78,7 @@ class VLLMEngine:
         if self.lora is None and adapter is not None:
             raise UsageError(f"an adapter to serve ({adapter}) needs lora.rank > 0")
         if self.lora is not None:
-            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_rank_cap(self.lora.rank), max_loras=1)
+            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_rank_cap(self.lora.rank), max_loras=MAX_LORAS)
         llm_kwargs.setdefault("worker_extension_cls", WORKER_EXTENSION)
         self.llm = LLM(model=str(model), dtype=dtype, seed=seed, **llm_kwargs)
         self.engine = self.llm.llm_engine  # vLLM's LLMEngine: add_request / step
