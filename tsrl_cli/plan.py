@@ -264,7 +264,10 @@ def vllm_process(cfg: TrainConfig, config, name: str, device: str, tp: int, capa
 def hf_engine_process(cfg: TrainConfig, config, sessions: int) -> Process:
     """The hf engine's largest call: rollout.max_batch requests (1 when batch_invariant; at most the replica's
     sessions) prefilled at full length, with their key/value cache and the last position's logits, as HFEngine's
-    prefill computes them. Named and placed by the caller."""
+    prefill computes them. Continuous batching holds no more: the turns joining the running batch are prefilled beside
+    the others' caches (running + joining <= max_batch rows, so fewer rows' activations), and the merge concatenates the caches
+    one layer at a time (a transient of one layer's keys and values, 1/num_hidden_layers of the cache). Named and
+    placed by the caller."""
     rows = 1 if cfg.rollout.batch_invariant else min(cfg.rollout.max_batch, sessions)
     width = _trajectory_tokens(cfg, config)
     peak, params = _traced(inference, config, TORCH_DTYPES[cfg.model.dtype], rows, width, keep=1, cache=True,
