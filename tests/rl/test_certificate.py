@@ -50,6 +50,7 @@ def certified_rows(d, rounds):
     assert [r["round"] for r in m] == list(range(1, rounds + 1))
     assert all(r["verify_rel_diff"] <= 1e-9 and r["verify_s"] > 0 for r in m), [r.get("verify_rel_diff") for r in m]
     assert all(r["verify_s"] < r["learner_busy_s"] for r in m)  # inside the learner's busy time
+    assert all(r["grad_norm"] > 1e-3 for r in m)  # a certificate of a zero gradient would hold whatever was summed
     return m
 
 

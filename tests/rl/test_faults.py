@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["model.policy=builtin:toy", "model.teacher=builtin:toy-teacher", "data.train=[builtin:echo]",
        "rollout.prompts_per_round=2", "rollout.group_size=4", "rollout.max_turns=3", "rollout.max_turn_tokens=32",
-       "rollout.max_trajectory_tokens=400", "optim.lr=1e-2", "rollout.batch_invariant=true",
+       "rollout.max_trajectory_tokens=400", "optim.lr=1e-3", "rollout.batch_invariant=true",
        "rollout.tool_latency_median_s=0.2", "rollout.tool_latency_sigma=0.5"]
 ROUNDS = 3
 # the runs that are struck hold at round 2's start (worker_procs.held_at) until the test has struck
@@ -86,6 +86,8 @@ def reference(toy_policies, tsrl_here, tmp_path_factory):
         d = tmp_path_factory.mktemp("ref") / objective
         res = tsrl_here(*train_args(d, objective))
         assert res.returncode == 0, res.stderr[-3000:]
+        # every round has a gradient, so a resumed round that trained on other trajectories would end elsewhere
+        assert all(json.loads(x)["grad_norm"] > 1e-3 for x in (d / "metrics.jsonl").read_text().splitlines())
         out[objective] = d
     return out
 
