@@ -47,6 +47,7 @@ CASES = [
     ("env exec -- true", "--task ID"),
     ("env exec --workdir {t} --timeout-s 0 -- true", "must be positive"),
     ("env exec --task x -- true", "--dataset"),
+    ("env exec --workdir {t} --base-image a=b -- true", "only with --task"),
     ("env exec --task x --dataset {t}/nonexistent -- true", "no such dataset"),
     ("env list --dataset {t}/nonexistent", "no such dataset"),
     ("policy probe --model {t}/nonexistent --out {t}/out", "not a policy directory"),

@@ -41,3 +41,22 @@ def test_exec_usage_errors(tb):
     assert res.exit_code == 2
     res = runner.invoke(app, ["env", "list", "--dataset", "/nonexistent/ds"])
     assert res.exit_code == 2
+
+
+def test_exec_under_docker_builds_the_tasks_image_first(tb, docker_base_image):
+    """--executor docker on a task built from its Dockerfile: the image is built (FROM mapped by
+    --base-image), then the command runs in it, as in training; without the mapping, the unpullable FROM
+    is one line naming --base-image (the control: the build really is the task's)."""
+    mapping = f"ubuntu:24.04={docker_base_image}"
+    res = runner.invoke(app, ["env", "exec", "--task", "fix-permissions", "--dataset", str(tb), "--executor",
+                              "docker", "--base-image", mapping, "--json", "--", "pwd; cat /etc/debian_version"])
+    assert res.exit_code == 0, res.output[-2000:]
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == 0 and doc["stdout"].splitlines()[0] == "/app", doc  # the Dockerfile's WORKDIR
+    assert doc["executor"] == "docker" and doc["stdout"].splitlines()[1][:2].isdigit()  # the Debian base image
+    res = runner.invoke(app, ["env", "exec", "--task", "fix-permissions", "--dataset", str(tb), "--executor",
+                              "docker", "--", "true"])
+    assert res.exit_code == 1 and "--base-image ubuntu:24.04=LOCAL_IMAGE" in res.stderr, res.output[-2000:]
+    res = runner.invoke(app, ["env", "exec", "--task", "hello-world", "--dataset", str(tb), "--base-image", mapping,
+                              "--", "true"])
+    assert res.exit_code == 2 and "only the docker executor builds images" in res.stderr

@@ -38,6 +38,7 @@ def exec_(
     workdir: Annotated[str | None, typer.Option(help="Instead of --task: a directory; the sandbox works on a fresh copy of it.")] = None,
     executor: Annotated[str, typer.Option(help="local (bubblewrap or unshare) or docker.")] = "local",
     image: Annotated[str | None, typer.Option(help="Docker image (docker executor).")] = None,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="--task with --executor docker: FROM_IMAGE=LOCAL_IMAGE, build the task's Dockerfile FROM a local image (repeatable; as tsrl train's).")] = None,
     timeout_s: Annotated[float, typer.Option(help="Wall-clock limit in seconds; the whole process tree is killed at it.")] = 60.0,
     allow_unisolated: Annotated[bool, typer.Option("--allow-unisolated", help="Run without isolation when neither bwrap nor unshare is available (unsafe for untrusted tasks).")] = False,
     json_out: JsonOpt = False,
@@ -56,9 +57,15 @@ def exec_(
 
             if dataset is None:
                 raise UsageError("--task needs --dataset NAME (a prepared dataset; `tsrl env list` shows them)")
-            res, isolation, summary, visible = run_in_task(task, dataset, " ".join(command), timeout_s,
-                                                           executor=executor, allow_unisolated=allow_unisolated)
+            from tsrl_cli.config import parse_base_images
+            from tsrl_cli.console import progress_printer
+
+            res, isolation, summary, visible = run_in_task(
+                task, dataset, " ".join(command), timeout_s, executor=executor, allow_unisolated=allow_unisolated,
+                base_images=parse_base_images(base_image or []), progress=progress_printer(not json_out))
         else:
+            if base_image:
+                raise UsageError("--base-image: only with --task (a task's Dockerfile is built); use --image here")
             with open_sandbox(workdir, executor=executor, image=image, allow_unisolated=allow_unisolated) as sb:
                 res = sb.run(" ".join(command), timeout_s)
                 isolation, summary, visible = sb.isolation, sb.isolation_summary, sb.visible_roots

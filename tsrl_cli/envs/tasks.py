@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.envs.images import task_image
+from tsrl_cli.envs.images import build_task_images, task_image
 from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.envs.terminal import TerminalEnv
 from tsrl_cli.errors import UsageError
@@ -45,8 +47,11 @@ def make_env(task, dataset_dir: Path, *, executor: str = "local", base_images: d
 
 
 def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, executor: str = "local",
-                allow_unisolated: bool = False):
-    """Run one command in a fresh environment of the task, exactly as the agent's bash tool would.
+                allow_unisolated: bool = False, base_images: dict[str, str] | None = None,
+                progress: Callable[[str], None] = lambda m: None):
+    """Run one command in a fresh environment of the task, exactly as the agent's bash tool would. Under
+    docker a terminal task without a prebuilt image runs in the image built from its Dockerfile, as in
+    training: built first when missing (FROM mapped by `base_images`; log under the temporary folder).
 
     Returns (ExecResult, the sandbox's isolation, its isolation summary, its visible roots).
     """
@@ -55,7 +60,12 @@ def run_in_task(task_id: str, dataset: str, command: str, timeout_s: float, *, e
     if executor == "local" and t.kind == "repair" and start_dir(d, t) is None:
         raise UsageError(f"task {task_id}: its start state exists only in the image {task_image(t)!r}; "
                          "use --executor docker where a Docker daemon runs")
-    env = make_env(t, d, executor=executor, allow_unisolated=allow_unisolated)
+    if executor == "docker":
+        build_task_images([(d, t)], base_images=base_images or {},
+                          log_dir=Path(tempfile.gettempdir()) / "tsrl-env-builds", progress=progress)
+    elif base_images:
+        raise UsageError("--base-image: only the docker executor builds images; add --executor docker")
+    env = make_env(t, d, executor=executor, allow_unisolated=allow_unisolated, base_images=base_images)
     asyncio.run(env.start())
     try:
         sb = env.sandbox
