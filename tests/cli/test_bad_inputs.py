@@ -82,8 +82,8 @@ CASES = [
     ("train --rollout-devices gpu --out {t}/out", "not a device list"),
     ("train --set model.policy={t}/nonexistent --set data.train=[builtin:echo] --out {t}/out", "not a model directory"),
     ("train --set model.policy={t}/tokenless --set data.train=[builtin:echo] --out {t}/out", "ChatML tokenizer"),
-    ("train --set model.policy={t}/corrupt_policy --set data.train=[builtin:echo] --set rollout.thinking=true "
-     "--out {t}/out", "rollout.thinking true: this tokenizer's chat template declares no tools"),
+    (("train --set model.policy={t}/corrupt_policy --set data.train=[builtin:echo] --set rollout.thinking=true "
+      "--out {t}/out"), "rollout.thinking true: this tokenizer's chat template declares no tools"),
     ("train --set data.train=[{t}/nonexistent] --set model.policy=builtin:toy --out {t}/out", "no such dataset"),
     ("train --set loss.ppo_epochs=2 --out {t}/out", "not exact under gradient streaming"),
     ("train --resume --out {t}/out", "holds no run"),
