@@ -515,3 +515,19 @@ def test_missing_task_image_is_named_before_round_1(toy_config, tmp_path, prepar
     assert "image tsrl-test-absent-image:never (task tb/hello-world) is not on this Docker daemon" in line, line
     assert f"tsrl env pull {ds}" in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_held_out_evaluation_runs_on_the_rollout_device(toy_config, monkeypatch):
+    """After the rounds, eval.every's checkpoints are served where this node's engines ran (a GPU on a
+    GPU node, not the CPU); with remote servers, on the first GPU; cpu where there is none."""
+    import torch
+
+    from tsrl_cli.rl.train import eval_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # what devices.cuda_count asks
+    assert eval_device(toy_config()) == "cpu"
+    assert eval_device(toy_config("devices.rollout=2-3")) == "cuda:2"
+    remote = ("rollout.engine=openai", "rollout.servers=[http://127.0.0.1:1]")
+    assert eval_device(toy_config(*remote)) == "cuda:0"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert eval_device(toy_config(*remote)) == "cpu"

@@ -29,11 +29,12 @@ from pathlib import Path
 
 from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, config_diff, dump_config
-from tsrl_cli.devices import check_available, device_of, learner_devices, rollout_replicas
+from tsrl_cli.devices import check_available, device_of, engine_device, learner_devices, rollout_replicas
+from tsrl_cli.engines.load import open_engine
 from tsrl_cli.errors import OperationFailed, UsageError
 from tsrl_cli.evals.embedded import evaluate_embedded
 from tsrl_cli.files import write_json_atomic
-from tsrl_cli.policy import load_policy, load_tokenizer, require_peft
+from tsrl_cli.policy import load_tokenizer, require_peft
 from tsrl_cli.predict import streaming_of
 from tsrl_cli.processes import guarded, sigterm_raises, thread_env
 from tsrl_cli.rl.group import torchrun_env
@@ -211,6 +212,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: Callable[[dict], 
     return summary
 
 
+def eval_device(cfg: TrainConfig) -> str:
+    """Where the held-out evaluation runs once the rounds are over (their processes have exited): the rollout
+    side's first device when this node ran the engines, else (remote servers) the first GPU, else cpu."""
+    if cfg.rollout.engine == "openai":
+        return engine_device(None)
+    return device_of(cfg, "rollout")
+
+
 def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict], None],
                          trackers: Trackers | None = None) -> None:
     """`eval.every` K: the held-out evaluation of the weights after every K-th round, from its checkpoint.
@@ -219,9 +228,10 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
     learning and the rounds' timings stay clean. Its metrics (`eval/<dataset>/success`, `/n`,
     `/ci95_low`, `/ci95_high`) join that round's metrics row (rewritten atomically); the initial
     weights' evaluation (round-0) goes to `eval_round0.json`. Rounds already evaluated are skipped.
-    The trackers get each evaluation at its round (round-0 at step 0).
+    The trackers get each evaluation at its round (round-0 at step 0). The checkpoint is served by the hf
+    engine on eval_device(cfg), in the engine's dtype there (engines/load.py open_engine).
     """
-
+    device = eval_device(cfg)
     rows = run.rows(METRICS)
     by_round = {r["round"]: r for r in rows}
     for k, ckpt in run.checkpoints().items():
@@ -231,10 +241,11 @@ def evaluate_checkpoints(cfg: TrainConfig, run: RunLog, progress: Callable[[dict
             continue
         if k != 0 and k not in by_round:
             continue
-        model, tok = load_policy(ckpt)
-        res = evaluate_embedded(model, tok, list(cfg.eval.datasets), samples=cfg.eval.samples,
+        engine, _ = open_engine(str(ckpt), "hf", (device,))
+        res = evaluate_embedded(None, load_tokenizer(ckpt), list(cfg.eval.datasets), samples=cfg.eval.samples,
                                 temperature=cfg.eval.temperature, limit=cfg.eval.limit, model_name=str(ckpt),
-                                chat_template=cfg.model.chat_template, thinking=cfg.rollout.thinking)
+                                engine=engine, chat_template=cfg.model.chat_template, thinking=cfg.rollout.thinking)
+        del engine  # one checkpoint's weights on the device at a time
         metrics = res["metrics"]
         progress({"event": "eval", "round": k, "metrics": metrics})
         if trackers is not None:
