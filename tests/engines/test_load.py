@@ -145,7 +145,7 @@ def test_a_sync_that_misses_a_tensor_is_refused_until_a_complete_one(lora):
     before = engine.generate(turn)[0]
 
     dropped = names[-1]
-    with pytest.raises(RuntimeError, match=f"missed 1 of the model's {len(names)} trained tensors \\(first: {dropped}\\)"):
+    with pytest.raises(RuntimeError, match=f"missed 1 of the model's {len(names)} tensors \\(first: {dropped}\\)"):
         apply_sync(engine, FakeBus([{n: sent[n] for n in names[:-1]}], 6).receive)
     assert engine.version == 0
     with pytest.raises(RuntimeError, match="turns are refused until a sync carries them all"):

@@ -51,8 +51,10 @@ def prepare_data(
         if pull_images and source in ("embedded", "swebench-local"):
             raise UsageError(f"--pull-images: the {source} tasks run from local folders or images built here; "
                              "nothing to pull (leave the flag out)")
-        if max_parallel_pulls < 1:
-            raise UsageError(f"--max-parallel-pulls {max_parallel_pulls}: must be >= 1")
+        if pull_images:
+            from tsrl_cli.envs.pull import check_parallel
+
+            check_parallel(max_parallel_pulls)
     if source == "embedded":
         return _prepare_embedded(out or "data", seed, json_out, policy, rebuild_policy, policy_out)
     if source == "swebench-local":

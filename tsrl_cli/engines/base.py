@@ -107,6 +107,17 @@ def apply_sync(engine: PolicyEngine, receive: Callable[[Callable[[dict], None]],
     return info
 
 
+def sync_gap(expected: set[str], received: set[str]) -> str | None:
+    """Why an engine must refuse turns after a weight sync that carried `received` of the `expected` tensor
+    names (it would serve two versions' weights under one number), or None when none is missing. An engine
+    raises it from finish_weights and refuses turns with it until a complete sync (HFEngine, VLLMEngine)."""
+    missing = sorted(expected - received)
+    if not missing:
+        return None
+    return (f"a weight sync missed {len(missing)} of the model's {len(expected)} tensors (first: {missing[0]}); "
+            "turns are refused until a sync carries them all")
+
+
 def request_seed(*parts: object) -> int:
     """A 63-bit seed from (seed, round, task, sample, turn, ...): stable across processes and runs."""
     h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()

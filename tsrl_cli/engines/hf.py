@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest
+from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest, sync_gap
 
 
 def sample_token(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
@@ -152,10 +152,7 @@ class HFEngine:
         the new version number, so it raises naming the first, and turns are refused until a sync carries
         them all (as VLLMEngine)."""
         received, self._received = self._received, set()
-        missing = sorted(self._synced - received)
-        self._refused = (f"a weight sync missed {len(missing)} of the model's {len(self._synced)} trained "
-                         f"tensors (first: {missing[0]}); turns are refused until a sync carries them all"
-                         ) if missing else None
+        self._refused = sync_gap(self._synced, received)
         if self._refused:
             raise RuntimeError(f"HFEngine: {self._refused}")
 

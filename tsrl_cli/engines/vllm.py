@@ -41,7 +41,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tsrl_cli.engines.base import TurnOutput, TurnRequest
+from tsrl_cli.engines.base import TurnOutput, TurnRequest, sync_gap
 from tsrl_cli.engines.vllm_worker import pack
 from tsrl_cli.errors import UsageError
 from tsrl_cli.policy import parameter_names
@@ -215,10 +215,7 @@ class VLLMEngine:
             received, self._received = self._received, set()
             if self._param_names is None:
                 self._param_names = parameter_names(self.model)
-            missing = sorted(self._param_names - received)
-            self._refused = (f"a weight sync missed {len(missing)} of the model's {len(self._param_names)} "
-                             f"tensors (first: {missing[0]}); turns are refused until a sync carries "
-                             "them all") if missing else None
+            self._refused = sync_gap(self._param_names, received)
             if self._refused:
                 raise RuntimeError(f"VLLMEngine: {self._refused}")
 

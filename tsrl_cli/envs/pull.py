@@ -162,14 +162,19 @@ def require_images(pairs: list[tuple[Path, object]], datasets: Iterable) -> None
                          f"Docker daemon; pull the images first: tsrl env pull {names}")
 
 
+def check_parallel(parallel: int) -> None:
+    """--max-parallel-pulls: a UsageError below 1 (tsrl env pull; prepare-data checks it before writing)."""
+    if parallel < 1:
+        raise UsageError(f"--max-parallel-pulls {parallel}: must be >= 1")
+
+
 def pull_datasets(names: list[str], *, base_images: dict[str, str] | None = None, parallel: int = 4,
                   min_free_gib: float = 10.0, dry_run: bool = False,
                   progress: Callable[[str], None] = lambda m: None) -> dict:
     """`tsrl env pull`: open the datasets, plan, check the disk, pull what is missing. Returns the summary
     (PullPlan.to_dict plus pulled, failed, seconds); failures after the others finished: OperationFailed
     (or UsageError for a bad image name), one line naming the first and the count."""
-    if parallel < 1:
-        raise UsageError(f"--max-parallel-pulls {parallel}: must be >= 1")
+    check_parallel(parallel)
     if min_free_gib < 0:
         raise UsageError(f"--min-free-gib {min_free_gib:g}: must be >= 0")
     datasets = [open_dataset(n) for n in names]  # a missing dataset fails before the daemon is asked
