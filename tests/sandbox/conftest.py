@@ -7,7 +7,8 @@ import pytest
 
 from tsrl_cli.sandbox import local as local_mod
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bwrap not installed (apt-get install bubblewrap)")
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bwrap not installed (apt-get install bubblewrap)")
 ISOLATIONS = [
     pytest.param("bwrap", marks=needs_bwrap),
     pytest.param("unshare", marks=pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,

@@ -119,6 +119,7 @@ def test_docker_needs_an_image(tmp_path):
         open_sandbox(tmp_path, executor="docker")
 
 
+@pytest.mark.slow
 def test_docker_runs_and_limits(tmp_path, docker_base_image):
     (tmp_path / "a.txt").write_text("hello\n")
     with open_sandbox(tmp_path, executor="docker", image=docker_base_image, limits=SMALL) as sb:
@@ -141,6 +142,7 @@ def test_docker_bad_mounts_are_usage_errors(tmp_path):
         open_sandbox(tmp_path, executor="docker", image=IMAGE, mounts=[Mount(str(tmp_path), "tests")])
 
 
+@pytest.mark.slow
 def test_docker_mounts(tmp_path, docker_base_image):
     tests, logs, app = tmp_path / "tests", tmp_path / "logs", tmp_path / "app"
     for d in (tests, logs, app):

@@ -118,7 +118,8 @@ def test_an_error_inside_the_pull_stream_is_raised():
     """The SDK's images.pull() skips {"error": ...} items of the progress stream; ensure_image does not."""
     client = FakeClient(pull=[{"status": "Pulling from library/x"}, {"error": "unauthorized: authentication required",
                                                                      "errorDetail": {"message": "unauthorized"}}])
-    with pytest.raises(OperationFailed, match=r"pulling image tsrl-no-such-image:never failed: unauthorized.*docker login"):
+    with pytest.raises(OperationFailed,
+                       match=r"pulling image tsrl-no-such-image:never failed: unauthorized.*docker login"):
         ensure_image(client, IMAGE)
 
 

@@ -25,7 +25,8 @@ def harbor(tmp_path):
     """A Harbor-like task: tests/test.sh writes the reward; logs/verifier starts empty (root-owned 0755)."""
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test.sh").write_text("#!/bin/bash\ncat /app/answer.txt > /dev/null && echo 1 > /logs/verifier/reward.txt\n")
+    (tests / "test.sh").write_text("#!/bin/bash\n"
+                                   "cat /app/answer.txt > /dev/null && echo 1 > /logs/verifier/reward.txt\n")
     (tests / "data.txt").write_text("expected\n")
     logs = tmp_path / "logs" / "verifier"
     logs.mkdir(parents=True)
@@ -55,7 +56,8 @@ def test_rw_mount_receives_the_reward(isolation, harbor):
     before = logs.stat()
     with LocalSandbox(None, limits=SMALL, isolation=isolation,
                       mounts=[Mount(str(harbor / "app"), "/app")]) as sb:  # sandbox-level: every command
-        r = sb.run("bash /tests/test.sh && mkdir /logs/verifier/sub && echo '{\"reward\": 1}' > /logs/verifier/sub/r.json",
+        r = sb.run("bash /tests/test.sh && mkdir /logs/verifier/sub && "
+                   "echo '{\"reward\": 1}' > /logs/verifier/sub/r.json",
                    30, mounts=_verifier(harbor))
         assert r.exit_code == 0, r
         assert (logs / "reward.txt").read_text() == "1\n"

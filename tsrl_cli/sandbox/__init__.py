@@ -1,7 +1,7 @@
 """Sandboxes for agent-written commands: `open_sandbox(task_dir, executor=...)` -> Sandbox.
 
-`local` (bubblewrap or unshare, see local.py) and `docker` (docker.py) share one interface
-(base.py). Importing this package imports neither torch nor the docker package.
+`local` (bubblewrap or unshare, see local.py, bwrap.py, unshare.py) and `docker` (docker.py) share
+one interface (base.py). Importing this package imports neither torch nor the docker package.
 """
 
 from __future__ import annotations

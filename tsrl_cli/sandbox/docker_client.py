@@ -147,4 +147,5 @@ def _failure(image: str, cause: str, status: int | None = None) -> UsageError | 
                "and `docker save` / `docker load` it here, or build it locally")
     else:
         fix = "`docker pull` it by hand to see the daemon's full answer"
-    return OperationFailed(f"docker: pulling image {image} failed: {cause}{f' (HTTP {status})' if status else ''}; {fix}")
+    return OperationFailed(f"docker: pulling image {image} failed: "
+                           f"{cause}{f' (HTTP {status})' if status else ''}; {fix}")

@@ -53,7 +53,8 @@ _FROM = re.compile(r"^(\s*FROM\s+)((?:--\S+\s+)*)(\S+)(.*)$", re.IGNORECASE)
 
 
 # the daemon's words when a FROM image had to be pulled and could not be (no registry, no network)
-_PULL_FAILED = re.compile(r"registry|no such host|pull access denied|manifest unknown|dial tcp|not found", re.IGNORECASE)
+_PULL_FAILED = re.compile(r"registry|no such host|pull access denied|manifest unknown|dial tcp|not found",
+                          re.IGNORECASE)
 
 
 BUILD_TIMEOUT_S = 24 * 3600  # a build step may print nothing for a long time

@@ -132,7 +132,8 @@ def download_bytes(ref: Ref, timeout_s: float = 30.0) -> int:
     if mtype in INDEX_TYPES or "manifests" in doc:
         os_, arch = this_platform()
         match = [m for m in doc.get("manifests", [])
-                 if (m.get("platform") or {}).get("os") == os_ and (m.get("platform") or {}).get("architecture") == arch]
+                 if (m.get("platform") or {}).get("os") == os_
+                 and (m.get("platform") or {}).get("architecture") == arch]
         if not match:
             raise RegistryError(f"{ref.registry}/{ref.repository}:{ref.reference} has no {os_}/{arch} image")
         doc, _ = _manifest(ref, match[0]["digest"], timeout_s, token)
