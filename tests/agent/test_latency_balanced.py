@@ -23,7 +23,10 @@ def _derive_script():
 
 def _expected_max_lognormal(n: int, sigma: float) -> float:
     """E[max of n iid median-1 lognormals] = int (1 - Phi(z)^n) d(e^(sigma z)), by the trapezoid rule."""
-    phi = lambda z: 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+    def phi(z: float) -> float:
+        return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
     lo, hi, steps = -12.0, 12.0, 48_000
     h = (hi - lo) / steps
     f = [(1.0 - phi(lo + i * h) ** n) * sigma * math.exp(sigma * (lo + i * h)) for i in range(steps + 1)]

@@ -8,7 +8,7 @@ import pytest
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.loop import AgentLimits, RewardResult, ToolResult, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
-from tsrl_cli.engines.base import TurnBatcher
+from tsrl_cli.engines.batching import TurnBatcher
 from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.errors import UsageError
 from tsrl_cli.rollouts import parse_rollout
@@ -56,7 +56,7 @@ def test_submit_after_tool_call(tok):
     assert res.rollout.reward == 1.0
     kinds = [e["event"] for e in res.events]
     assert kinds == ["turn_close", "tool", "turn_close", "trajectory_end"]
-    assert all(a["t"] <= b["t"] for a, b in zip(res.events, res.events[1:]))
+    assert all(a["t"] <= b["t"] for a, b in zip(res.events, res.events[1:], strict=False))
     assert "[exit code 0]\ncalc.py" in tok.decode(res.rollout.input_ids)
 
 

@@ -25,7 +25,7 @@ def test_hand_checked_trajectory(tok):
         "```bash\nsubmit\n```<|im_end|>"
     )
     assert t.turn_spans == [(len(p), len(p) + len(turn)), (len(p) + len(turn) + len(obs), len(t.input_ids))]
-    masked = [tok.decode([i], skip_special_tokens=False) for i, m in zip(t.input_ids, t.loss_mask) if m]
+    masked = [tok.decode([i], skip_special_tokens=False) for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m]
     assert "".join(masked) == "```bash\nls\n```<|im_end|>```bash\nsubmit\n```<|im_end|>"
     assert t.behavior_logprobs[len(p)] == -0.5 and t.behavior_logprobs[0] == 0.0
     # the record validates against the core schema

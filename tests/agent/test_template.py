@@ -64,7 +64,8 @@ def play(env, renderer, replies, max_turns=8):
         return out
 
     res = asyncio.run(run_agent(env, generate, renderer, group_id="g", sample_index=0,
-                                limits=AgentLimits(max_turns=max_turns, max_turn_tokens=512, max_trajectory_tokens=8192),
+                                limits=AgentLimits(max_turns=max_turns, max_turn_tokens=512,
+                                                   max_trajectory_tokens=8192),
                                 on_turn=lambda traj, k, last: snapshots.append(list(traj.input_ids))))
     parse_rollout(res.rollout.to_json(), "test")
     return res, sampled, snapshots
@@ -123,7 +124,8 @@ def test_a_tool_result_is_the_templates_delta_after_the_sampled_turn(qtok):
     third = [i for i, t in enumerate(full) if t == im_end][2]
     delta = full[third + 1:]
     assert ids[spans[0][1]:spans[1][0]] == delta
-    assert qtok.decode(delta, skip_special_tokens=False).startswith("\n<|im_start|>user\n<tool_response>\n[exit code 0]")
+    assert qtok.decode(delta, skip_special_tokens=False).startswith(
+        "\n<|im_start|>user\n<tool_response>\n[exit code 0]")
     # positive control: Qwen3 renders that earlier turn without the generation prompt's empty think block,
     # so the full rendering is not the context the model sampled its turn after
     assert full[:spans[0][1]] != ids[:spans[0][1]]
@@ -141,7 +143,7 @@ def test_the_delta_never_changes_tokens_already_sampled(qtok):
     # positive control: re-rendering the conversation through the template (each turn an assistant message)
     # changes tokens before the last turn: Qwen3 drops every earlier turn's empty think block
     msgs = system_user(env.instruction)
-    for k, (out, cmd) in enumerate(zip(sampled, ("ls", "cat a.py", "pwd"))):
+    for out, cmd in zip(sampled[:-1], ("ls", "cat a.py", "pwd"), strict=True):  # each turn before the submit
         msgs += [{"role": "assistant", "content": qtok.decode(out[:-1], skip_special_tokens=False)},
                  {"role": "tool", "content": observation_text(env.answers[cmd][0], 0, None, 2000)}]
     rerendered = template_ids(qtok, msgs)
@@ -152,7 +154,8 @@ def test_the_delta_never_changes_tokens_already_sampled(qtok):
 
 def test_a_template_whose_tool_results_depend_on_the_history_is_refused(qtok):
     """The check behind the delta: a tool result rendered with the message's position in it is refused."""
-    counting = QWEN3.replace("{{- '\\n<tool_response>\\n' }}", "{{- '\\n<tool_response>' + loop.index|string + '\\n' }}")
+    counting = QWEN3.replace("{{- '\\n<tool_response>\\n' }}",
+                             "{{- '\\n<tool_response>' + loop.index|string + '\\n' }}")
     assert counting != QWEN3
     with pytest.raises(UsageError, match="renders a tool result differently after different conversations"):
         make_renderer(with_chat_template(qtok, counting))
@@ -268,7 +271,8 @@ def test_the_oracle_scores_1_on_an_embedded_terminal_task_in_the_qwen3_format(tm
 
 @pytest.mark.parametrize("sets,msg", [
     (["model.chat_template=qwen3"], "config key model.chat_template: 'qwen3' is not one of auto, chatml"),
-    (["model.chat_template=chatml", "rollout.thinking=true"], "config key rollout.thinking: true, but model.chat_template is chatml"),
+    (["model.chat_template=chatml", "rollout.thinking=true"],
+     "config key rollout.thinking: true, but model.chat_template is chatml"),
     (["rollout.thinking=maybe"], "expected true or false"),
 ])
 def test_the_new_keys_are_validated(sets, msg):

@@ -11,7 +11,8 @@ needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def _git(repo, *args, stdin=None):
-    return subprocess.run(["git", "-C", str(repo), *args], input=stdin, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(["git", "-C", str(repo), *args], input=stdin, capture_output=True, text=True,
+                          check=True).stdout
 
 
 def _tree(repo):

@@ -105,7 +105,8 @@ def test_skip_counts_malformed_rows_for_training_sets(fixtures, tmp_path):
 
 
 @pytest.mark.parametrize("source,origin,msg", [
-    ("swe-smith", "malformed/swe_smith.jsonl", "swe_smith.jsonl:2 (pandas-dev__pandas.95280573.pr_53652): field 'patch'"),
+    ("swe-smith", "malformed/swe_smith.jsonl",
+     "swe_smith.jsonl:2 (pandas-dev__pandas.95280573.pr_53652): field 'patch'"),
     ("swebench-verified", "malformed/swebench_partial_v5.jsonl", "(django__django-11099): field 'eval_type'"),
     ("terminal-bench", "malformed/tasks", "bad_toml (bad_toml): field 'task.toml'"),
 ])
@@ -185,7 +186,8 @@ def test_parquet_and_hub_snapshot_layout(fixtures, tmp_path):
 def test_hub_uses_the_same_code_as_local(fixtures, tmp_path, monkeypatch):
     rows = [json.loads(line) for line in (fixtures / "swebench_verified" / "test.jsonl").read_text().splitlines()]
     calls = []
-    fake_datasets = types.SimpleNamespace(load_dataset=lambda hub_id, split, revision: calls.append((hub_id, split, revision)) or rows)
+    fake_datasets = types.SimpleNamespace(
+        load_dataset=lambda hub_id, split, revision: calls.append((hub_id, split, revision)) or rows)
     fake_hub = types.SimpleNamespace(
         HfApi=lambda: types.SimpleNamespace(dataset_info=lambda hub_id: types.SimpleNamespace(sha="abc123")),
         snapshot_download=lambda repo_id, repo_type: str(fixtures / "seta_env"),

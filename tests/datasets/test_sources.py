@@ -73,17 +73,22 @@ def test_harbor_task(fixtures):
     t = harbor.read_task_dir(d, source="seta-env", split="train", rel="SETA_Synth/ask_ubuntu/ask_ubuntu_1042")
     assert (t.task_id, t.format, t.reward_mode) == ("ask_ubuntu_1042", "harbor", "reward_file")
     assert t.instruction.startswith("Create /app/out.txt")
-    assert (t.environment_dir, t.test_script, t.solution_script) == ("environment", "tests/test.sh", "solution/solve.sh")
+    assert (t.environment_dir, t.test_script, t.solution_script) == ("environment", "tests/test.sh",
+                                                                     "solution/solve.sh")
     assert (t.agent_timeout_s, t.verifier_timeout_s, t.build_timeout_s) == (900.0, 120.0, 600.0)
-    assert t.meta["difficulty"] == "easy" and t.meta["allow_internet"] is False and t.meta["path"].startswith("SETA_Synth")
+    assert t.meta["difficulty"] == "easy" and t.meta["allow_internet"] is False
+    assert t.meta["path"].startswith("SETA_Synth")
     assert t.docker_image is None and len(t.dir_sha256) == 64
 
 
 def test_harbor_prebuilt_image_and_tb1(fixtures):
-    hello = harbor.read_task_dir(fixtures / "terminal_bench" / "hello-world", source="terminal-bench", split="test", rel="x")
+    hello = harbor.read_task_dir(fixtures / "terminal_bench" / "hello-world", source="terminal-bench", split="test",
+                                 rel="x")
     assert hello.docker_image == "ghcr.io/laude-institute/t-bench/hello-world:2.0"
-    tb1 = harbor.read_task_dir(fixtures / "terminal_bench" / "csv-to-parquet", source="terminal-bench", split="test", rel="x")
-    assert (tb1.format, tb1.environment_dir, tb1.test_script, tb1.reward_mode) == ("tb1", ".", "run-tests.sh", "all_tests_pass")
+    tb1 = harbor.read_task_dir(fixtures / "terminal_bench" / "csv-to-parquet", source="terminal-bench", split="test",
+                               rel="x")
+    assert (tb1.format, tb1.environment_dir, tb1.test_script, tb1.reward_mode) == ("tb1", ".", "run-tests.sh",
+                                                                                   "all_tests_pass")
     assert (tb1.agent_timeout_s, tb1.verifier_timeout_s) == (360.0, 60.0)
     assert tb1.instruction == "Convert /app/data.csv to /app/data.parquet." and tb1.meta["parser_name"] == "pytest"
 
@@ -107,4 +112,5 @@ def test_malformed_task_dir_field(fixtures, name, field):
 def test_tb1_without_run_tests_uses_test_outputs(fixtures, tmp_path):
     d = shutil.copytree(fixtures / "terminal_bench" / "csv-to-parquet", tmp_path / "t")
     (d / "run-tests.sh").unlink()
-    assert harbor.read_task_dir(d, source="terminal-bench", split="test", rel="t").test_script == "tests/test_outputs.py"
+    task = harbor.read_task_dir(d, source="terminal-bench", split="test", rel="t")
+    assert task.test_script == "tests/test_outputs.py"

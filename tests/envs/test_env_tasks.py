@@ -43,6 +43,7 @@ def test_exec_usage_errors(tb):
     assert res.exit_code == 2
 
 
+@pytest.mark.slow
 def test_exec_under_docker_builds_the_tasks_image_first(tb, docker_base_image):
     """--executor docker on a task built from its Dockerfile: the image is built (FROM mapped by
     --base-image), then the command runs in it, as in training; without the mapping, the unpullable FROM

@@ -13,7 +13,7 @@ import pytest
 from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.datasets.records import RepairTask
-from tsrl_cli.engines.base import TurnBatcher
+from tsrl_cli.engines.batching import TurnBatcher
 from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.envs.repair import RepairEnv
 from tsrl_cli.rollouts import parse_rollout

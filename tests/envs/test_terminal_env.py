@@ -9,7 +9,7 @@ from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.renderer import ChatMLRenderer
 from tsrl_cli.cli import app
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.engines.base import TurnBatcher
+from tsrl_cli.engines.batching import TurnBatcher
 from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.envs.tasks import find_task, make_env
 
@@ -53,6 +53,7 @@ def test_solution_gets_reward_1_and_nothing_gets_0(ds, tok):
     assert wrong.rollout.reward == 0.0
 
 
+@pytest.mark.slow
 def test_embedded_suite_solutions_pass_through_terminal_env(tmp_path, tok):
     """Families that chmod/mv/rm files the task shipped (the agent owns /app's whole tree)."""
     from tsrl_cli.embedded.terminal_suite import build_terminal_suite, solution_commands

@@ -24,8 +24,9 @@ def suite(tmp_path_factory):
     with open(stage / "repair_heldout.jsonl", "w") as f:
         f.writelines(json.dumps(asdict(t)) + "\n" for t in repair["heldout"])
     build_terminal_suite(stage, 0, n_train=0, n_heldout=3)
-    for name, source, origin in [("embedded_repair_heldout", "embedded-repair-heldout", stage / "repair_heldout.jsonl"),
-                                 ("embedded_terminal_heldout", "embedded-terminal-heldout", stage / "terminal" / "heldout")]:
+    for name, source, origin in [
+            ("embedded_repair_heldout", "embedded-repair-heldout", stage / "repair_heldout.jsonl"),
+            ("embedded_terminal_heldout", "embedded-terminal-heldout", stage / "terminal" / "heldout")]:
         prepare(PrepareOptions(source=source, origin=str(origin), out=str(root / name), on_error="fail"))
     return root
 

@@ -161,7 +161,8 @@ def test_missing_model_or_data_exit_2(tmp_path, monkeypatch):
 @pytest.mark.sandboxed
 def test_cli_with_a_real_checkpoint_dir(suite, ckpt, tmp_path):
     """A save_pretrained directory (what `tsrl train` writes) evaluates as it is: hf engine, real model."""
-    args = ["eval", "embedded", "--model", str(ckpt), "--limit", "1", "--max-turns", "1", "--out", str(tmp_path / "out")]
+    args = ["eval", "embedded", "--model", str(ckpt), "--limit", "1", "--max-turns", "1",
+            "--out", str(tmp_path / "out")]
     res = CliRunner().invoke(app, [*args, "--datasets", f"{suite / SETS[0]},{suite / SETS[1]}", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)

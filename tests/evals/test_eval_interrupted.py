@@ -47,4 +47,5 @@ def test_sigint_then_the_eval_continues(suite, ckpt, tsrl_here, tmp_path):
     again = tsrl_here(*cmd(out))
     assert again.returncode == 0, again.stderr[-2000:]
     assert _records(out) == _records(tmp_path / "ref")
-    assert json.loads((out / "summary.json").read_text())["all"] == json.loads((tmp_path / "ref" / "summary.json").read_text())["all"]
+    ref_summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert json.loads((out / "summary.json").read_text())["all"] == ref_summary["all"]

@@ -72,6 +72,7 @@ def test_embedded_cli_passes_options_and_prints_one_json(monkeypatch):
     assert (seen["samples"], seen["temperature"], seen["limit"], seen["limits"].max_turns) == (3, 0.7, 4, 5)
 
 
+@pytest.mark.slow
 def test_evals_import_neither_swebench_nor_docker():
     """The optional harness and SDK load only when grading or running a container; `tsrl eval --help` loads no torch."""
     import subprocess

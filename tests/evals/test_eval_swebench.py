@@ -60,7 +60,8 @@ def row(ds, iid=IID):
 
     t = {t.task_id: t for t in open_dataset(str(ds)).tasks}[iid]
     r = sb.harness_row(t)
-    r.update(eval_script=EVAL_SCRIPT, log_parser="parse_log_pytest", eval_type="pass_and_fail")  # fixture names are not 5.x names
+    # the fixture's names are not 5.x names
+    r.update(eval_script=EVAL_SCRIPT, log_parser="parse_log_pytest", eval_type="pass_and_fail")
     return r
 
 
@@ -83,7 +84,8 @@ def test_no_docker_exit_2_before_any_model(ds, no_docker, extra):
 
 def test_grade_only_without_docker_exit_2(ds, tmp_path, no_docker):
     preds = tmp_path / "preds.jsonl"
-    preds.write_text(json.dumps({"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/x b/x\n"}) + "\n")
+    pred = {"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/x b/x\n"}
+    preds.write_text(json.dumps(pred) + "\n")
     write_jsonl_atomic(tmp_path / "rows.jsonl", [row(ds)])
     res = CliRunner().invoke(app, ["eval", "swebench", "--grade-only", str(preds), "--harness-dataset",
                                    str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "out"), "--json"])
@@ -97,8 +99,10 @@ def test_grade_only_without_docker_exit_2(ds, tmp_path, no_docker):
     (["--agent", "oracle", "--model", "some/model"], "--agent oracle needs no model: drop --model some/model"),
     (["--agent", "bogus"], "--agent 'bogus': use one of policy, oracle, nop"),
     ([], "--model DIR_OR_ID is required"),
-    (["--grade-only", "PREDS", "--harness-dataset", "/nonexistent/rows.jsonl"], "/nonexistent/rows.jsonl: no such file"),
-    (["--grade-only", "PREDS", "--dataset", "/nonexistent/swebench_local"], "/nonexistent/swebench_local: no such dataset"),
+    (["--grade-only", "PREDS", "--harness-dataset", "/nonexistent/rows.jsonl"],
+     "/nonexistent/rows.jsonl: no such file"),
+    (["--grade-only", "PREDS", "--dataset", "/nonexistent/swebench_local"],
+     "/nonexistent/swebench_local: no such dataset"),
     (["--grade-only", "PREDS_UNKNOWN"], "instance nope__nope-1 is not in"),
 ])
 def test_bad_input_is_one_line_exit_2_before_docker(ds, tmp_path, no_docker, args, message):
@@ -129,7 +133,8 @@ def test_rows_without_5x_columns_refused_before_docker(ds, no_docker):
 def test_predictions_schema(tmp_path):
     recs = [{"instance_id": "a__b-1", "patch": "diff --git a/f b/f\n"}, {"instance_id": "a__b-2", "patch": None}]
     preds = sb.predictions_from_records(recs, "results/ckpt")
-    assert preds == [{"instance_id": "a__b-1", "model_name_or_path": "results/ckpt", "model_patch": "diff --git a/f b/f\n"},
+    assert preds == [{"instance_id": "a__b-1", "model_name_or_path": "results/ckpt",
+                      "model_patch": "diff --git a/f b/f\n"},
                      {"instance_id": "a__b-2", "model_name_or_path": "results/ckpt", "model_patch": ""}]
     write_jsonl_atomic(tmp_path / "p.jsonl", preds)
     assert sb.read_predictions(tmp_path / "p.jsonl") == preds
@@ -155,7 +160,8 @@ def test_predictions_accepted_by_swebench(ds, tmp_path, monkeypatch):
                                   "run1", rewrite_reports=False)
     assert [r["instance_id"] for r in todo] == [IID]
     spec = make_test_spec(rows[0])
-    assert spec.image == "swebench/sweb.eval.x86_64.psf_1776_requests-2317:latest" and spec.FAIL_TO_PASS == ["tests/test_x.py::test_f"]
+    assert spec.image == "swebench/sweb.eval.x86_64.psf_1776_requests-2317:latest"
+    assert spec.FAIL_TO_PASS == ["tests/test_x.py::test_f"]
     sb.check_row_columns(rows, "rows")
     sb.check_row_parsers(rows, "rows")
     with pytest.raises(UsageError, match="not a swebench parser"):
@@ -205,16 +211,19 @@ def test_harness_report_read_back(ds, tmp_path, monkeypatch):
     run_instance(make_test_spec(r), preds[IID], None, "run1", rewrite_reports=True)
     path = make_run_report(preds, [r], "run1", client=None, report_dir=str(tmp_path))
     assert path == sb.report_path(tmp_path, "tsrl/ckpt", "run1")
-    s = sb.summary_from_report(json.loads(path.read_text()), [IID], "swebench_verified", sb.label("5.0.2", "swebench_verified"))
+    s = sb.summary_from_report(json.loads(path.read_text()), [IID], "swebench_verified",
+                               sb.label("5.0.2", "swebench_verified"))
     d = s["datasets"]["swebench_verified"]
     assert (d["n"], d["resolved"], s["harness"]["resolved_instances"]) == (1, 1, 1)
-    assert s["label"].startswith("swebench_verified: SWE-bench-format") and "official swebench 5.0.2 harness" in s["label"]
+    assert s["label"].startswith("swebench_verified: SWE-bench-format")
+    assert "official swebench 5.0.2 harness" in s["label"]
 
 
 def test_harness_command_matches_the_harness(tmp_path):
     swebench_or_skip()
     cmd = sb.harness_command("rows.jsonl", tmp_path / "p.jsonl", "run1", tmp_path, workers=2, instance_ids=["a", "b"])
-    assert cmd[:3] == [sys.executable, "-m", "swebench.harness.run_evaluation"] and cmd[-3:] == ["--instance_ids", "a", "b"]
+    assert cmd[:3] == [sys.executable, "-m", "swebench.harness.run_evaluation"]
+    assert cmd[-3:] == ["--instance_ids", "a", "b"]
     help_text = subprocess.run(cmd[:3] + ["--help"], check=False, capture_output=True, text=True, timeout=120).stdout
     for flag in (x for x in cmd if x.startswith("--")):
         assert flag in help_text, flag
@@ -225,7 +234,8 @@ def test_harness_failure_is_not_a_score(ds, tmp_path, monkeypatch):
     swebench_or_skip()
     monkeypatch.setenv("DOCKER_HOST", BOGUS_DOCKER)
     write_jsonl_atomic(tmp_path / "rows.jsonl", [row(ds)])
-    write_jsonl_atomic(tmp_path / "p.jsonl", [{"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/f b/f\n"}])
+    write_jsonl_atomic(tmp_path / "p.jsonl",
+                       [{"instance_id": IID, "model_name_or_path": "m", "model_patch": "diff --git a/f b/f\n"}])
     with pytest.raises(sb.HarnessError, match="Nothing was graded"):
         sb.grade(tmp_path / "p.jsonl", str(tmp_path / "rows.jsonl"), tmp_path, run_id="r1", workers=1)
     log = (tmp_path / "harness.log").read_text()

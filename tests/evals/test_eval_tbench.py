@@ -48,8 +48,8 @@ def test_local_end_to_end_known_count(suite, tok, tmp_path):
 
 @pytest.mark.sandboxed
 def test_cli_local_with_a_checkpoint(suite, ckpt, tmp_path):
-    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(suite / "embedded_terminal_heldout"), "--executor",
-                                   "local", "--model", str(ckpt), "--limit", "1", "--max-turns", "1",
+    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(suite / "embedded_terminal_heldout"),
+                                   "--executor", "local", "--model", str(ckpt), "--limit", "1", "--max-turns", "1",
                                    "--out", str(tmp_path / "out"), "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
@@ -60,7 +60,8 @@ def test_docker_executor_without_daemon_exit_2(tbds, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", BOGUS_DOCKER)
     for loader in ("open_engine", "agent_tokenizer"):
         monkeypatch.setattr(tb, loader, lambda *a, **k: pytest.fail("model loaded without Docker"))
-    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m", "--instances", "hello-world"])
+    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--model", "m",
+                                   "--instances", "hello-world"])
     assert res.exit_code == 2 and "needs Docker" in res.stderr and res.stdout == ""
     # tasks that ship only a Dockerfile are built, which needs the daemon too: refused before any build
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--agent", "oracle"])
@@ -69,7 +70,8 @@ def test_docker_executor_without_daemon_exit_2(tbds, monkeypatch):
 
 def test_via_harbor_needs_harbor_on_path(tbds, monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # no harbor here
-    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--via-harbor", "--instances", "hello-world"])
+    res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--via-harbor",
+                                   "--instances", "hello-world"])
     assert res.exit_code == 2 and "harbor" in res.stderr and "Python >= 3.12" in res.stderr
     assert "--harbor-in-docker" in res.stderr  # the way out on a machine without Python 3.12
     res = CliRunner().invoke(app, ["eval", "tbench", "--dataset", str(tbds), "--via-harbor"])

@@ -47,6 +47,7 @@ def _key(r):
     return {k: v for k, v in r.items() if k not in ("duration_s", "tool_s")}
 
 
+@pytest.mark.slow
 def test_probe_json(whole):
     out, doc = whole
     assert doc["all"]["trajectories"] == 4 and len(doc["results"]) == 4 and doc["all"]["groups"] == 2
@@ -64,7 +65,8 @@ def test_summary_by_hand():
     """Two tasks x 2 samples (one group varies, one does not) and an environment error left out of every rate."""
     def rec(task, sample, reward, kind="terminal", error=False):
         return {"dataset": "d", "instance_id": task, "sample": sample, "seed": 0, "kind": kind, "error": error,
-                "reward": None if error else reward, "turns": 2, "tokens": 10, "tool_s": 0.5, "duration_s": 1.0 + sample,
+                "reward": None if error else reward, "turns": 2, "tokens": 10, "tool_s": 0.5,
+                "duration_s": 1.0 + sample,
                 "exit_reason": "env_error" if error else "submitted"}
 
     s = summarize_probe([rec("a", 0, 1.0), rec("a", 1, 0.0), rec("b", 0, 0.0, "repair"), rec("b", 1, 0.0, "repair"),
@@ -75,6 +77,7 @@ def test_summary_by_hand():
     assert s["mean_group_variance"] == 0.125  # (0.25 + 0) / 2
 
 
+@pytest.mark.slow
 def test_probe_resume_equals_an_uninterrupted_probe(setup, whole, tmp_path, monkeypatch):
     """An interrupted probe (records cut after 1 of 4 trajectories, the last line torn) resumes: it samples only
     the 3 missing trajectories, and its records and summary equal those of one uninterrupted probe."""
@@ -103,6 +106,7 @@ def test_probe_resume_equals_an_uninterrupted_probe(setup, whole, tmp_path, monk
     assert res.exit_code == 0 and len(started) == 3 and json.loads(res.stdout)["resumed_trajectories"] == 4
 
 
+@pytest.mark.slow
 def test_probe_of_other_weights_into_the_same_folder_exit_2(setup, tmp_path):
     """The output folder is tied to the weights (their sha256), not to the model folder's name."""
     import shutil
@@ -119,6 +123,7 @@ def test_probe_of_other_weights_into_the_same_folder_exit_2(setup, tmp_path):
     assert (out / "records.jsonl").read_text() == before  # nothing written over
 
 
+@pytest.mark.slow
 def test_chat_template_and_thinking_flags_choose_the_format(setup, tmp_path):
     """--chat-template and --thinking reach the agent: a Qwen3-template policy speaks its template by
     default, ChatML under --chat-template chatml, with the thinking switch under --thinking; a thinking
@@ -130,7 +135,8 @@ def test_chat_template_and_thinking_flags_choose_the_format(setup, tmp_path):
     fixtures = Path(__file__).parents[1] / "fixtures" / "chat_templates"
     qtok = with_chat_template(train_chatml_tokenizer(["```bash\nls -la\n```", "Make the script executable."] * 20,
                                                      vocab_size=300), (fixtures / "qwen3.jinja").read_text(),
-                              ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+                              ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                               "</tool_response>"])
     build_tiny_model(0, torch.float32, vocab_size=len(qtok)).save_pretrained(tmp_path / "qwen3_policy")
     qtok.save_pretrained(tmp_path / "qwen3_policy")
 
@@ -139,7 +145,8 @@ def test_chat_template_and_thinking_flags_choose_the_format(setup, tmp_path):
         assert res.exit_code == 0, res.output
         return {json.loads(x)["chat_format"] for x in (tmp_path / out / "records.jsonl").read_text().splitlines()}
 
-    auto, chatml, thinking = formats("auto"), formats("chatml", "--chat-template", "chatml"), formats("think", "--thinking")
+    auto, chatml = formats("auto"), formats("chatml", "--chat-template", "chatml")
+    thinking = formats("think", "--thinking")
     assert chatml == {"chatml"} and len(auto) == len(thinking) == 1
     a, t = auto.pop(), thinking.pop()
     assert a.startswith("template sha256:") and a.endswith("thinking=off") and t == a.replace("=off", "=on")

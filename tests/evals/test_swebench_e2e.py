@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from tsrl_cli.cli import app
 
 pytest.importorskip("swebench", reason="swebench is not installed (pip install -e '.[swebench]')")
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def cli(*args: str) -> dict:
 
 def instance_reports(out: Path) -> dict[str, dict]:
     """{instance_id: the harness's report.json entry} of every instance the harness ran in `out`."""
-    return {p.parent.name: json.loads(p.read_text())[p.parent.name] for p in out.glob("logs/run_evaluation/*/*/*/report.json")}
+    return {p.parent.name: json.loads(p.read_text())[p.parent.name]
+            for p in out.glob("logs/run_evaluation/*/*/*/report.json")}
 
 
 def read_jsonl(path) -> list[dict]:
@@ -52,7 +54,8 @@ def test_gold_patches_resolve_offline_and_the_images_stay(local_set, tmp_path):
             str(tmp_path / "gold"), "--workers", "3")
     assert s["datasets"]["swebench_local"]["resolved"] == 3 and s["harness"]["resolved_instances"] == 3
     reps = instance_reports(tmp_path / "gold")
-    assert sorted(reps) == local_set["ids"] and all(r["resolved"] and r["patch_successfully_applied"] for r in reps.values())
+    assert sorted(reps) == local_set["ids"]
+    assert all(r["resolved"] and r["patch_successfully_applied"] for r in reps.values())
     logs = list((tmp_path / "gold").glob("logs/run_evaluation/*/*/*/run_instance.log"))
     assert len(logs) == 3 and not any("attempting to pull" in p.read_text() for p in logs)  # nothing pulled
     client = docker.from_env()
@@ -68,7 +71,8 @@ def test_empty_and_pass_to_pass_breaking_patches_do_not_resolve(local_set, tmp_p
     ids = local_set["ids"]
     empty = {p["instance_id"]: p for p in read_jsonl(local_set["controls"]["empty"])}
     brk = {p["instance_id"]: p for p in read_jsonl(local_set["controls"]["break_p2p"])}
-    preds = [{**empty[ids[0]], "model_name_or_path": "mixed"}] + [{**brk[i], "model_name_or_path": "mixed"} for i in ids[1:]]
+    preds = [{**empty[ids[0]], "model_name_or_path": "mixed"}]
+    preds += [{**brk[i], "model_name_or_path": "mixed"} for i in ids[1:]]
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
     s = cli("--grade-only", str(tmp_path / "mixed.jsonl"), "--dataset", str(local_set["out"]), "--out",
             str(tmp_path / "mixed"), "--workers", "2")

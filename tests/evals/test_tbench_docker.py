@@ -47,6 +47,7 @@ def _remove_task_images(tbds, base):
     client.close()
 
 
+@pytest.mark.slow
 def test_oracle_scores_one_nop_zero(tbds, docker_base_image, tmp_path):
     _remove_task_images(tbds, docker_base_image)  # built here, then reused by the nop run
     s = _eval(tbds, docker_base_image, tmp_path / "oracle", "oracle")
@@ -63,6 +64,7 @@ def test_oracle_scores_one_nop_zero(tbds, docker_base_image, tmp_path):
     assert {r["reward"] for r in recs} == {0.0} and {r["exit_reason"] for r in recs} == {"nop"}
 
 
+@pytest.mark.slow
 def test_build_failure_is_one_line_naming_the_log(tbds, docker_base_image, tmp_path):
     _remove_task_images(tbds, docker_base_image)  # tags follow the prepared manifest's sha, not the file
     df = tbds / "tasks" / "fix-permissions" / "environment" / "Dockerfile"
@@ -83,7 +85,8 @@ def test_build_failure_is_one_line_naming_the_log(tbds, docker_base_image, tmp_p
 def test_from_mapping_and_tags():
     text, used = map_from_lines("FROM --platform=linux/amd64 ubuntu:24.04 AS base\nFROM base\nRUN x\n",
                                 {"ubuntu:24.04": "tsrl-base:b"})
-    assert text == "FROM --platform=linux/amd64 tsrl-base:b AS base\nFROM base\nRUN x\n" and used == {"ubuntu:24.04": "tsrl-base:b"}
+    assert text == "FROM --platform=linux/amd64 tsrl-base:b AS base\nFROM base\nRUN x\n"
+    assert used == {"ubuntu:24.04": "tsrl-base:b"}
     assert map_from_lines("FROM debian\n", {"ubuntu:24.04": "x"}) == ("FROM debian\n", {})
     assert task_image_tag("Fix_Permissions", "ab" * 32) == "tsrl-task-fix_permissions:" + "ab" * 6
     assert task_image_tag("t", "ab" * 32, {"a": "b"}) != task_image_tag("t", "ab" * 32)

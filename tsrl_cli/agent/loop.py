@@ -18,7 +18,7 @@ from tsrl_cli.agent.actions import SYSTEM_PROMPT, submitted_by_output  # noqa: F
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.renderer import ChatMLRenderer, TokenTrajectory
 from tsrl_cli.agent.template import TemplateRenderer
-from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest, request_seed
+from tsrl_cli.engines.protocol import SamplingParams, TurnOutput, TurnRequest, request_seed
 from tsrl_cli.rollouts import Rollout
 
 

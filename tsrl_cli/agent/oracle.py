@@ -10,7 +10,7 @@ Its log-probs are 0 (no model sampled them).
 
 from __future__ import annotations
 
-from tsrl_cli.engines.base import TurnOutput, TurnRequest
+from tsrl_cli.engines.protocol import TurnOutput, TurnRequest
 from tsrl_cli.errors import UsageError
 
 THOUGHT = "THOUGHT: I play the task's reference solution."

@@ -39,7 +39,8 @@ def parse_pytest_log(text: str) -> dict[str, str]:
     return out
 
 
-def repair_reward(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str], mode: str = "binary") -> RewardResult:
+def repair_reward(status: dict[str, str], fail_to_pass: list[str], pass_to_pass: list[str],
+                  mode: str = "binary") -> RewardResult:
     """Score parsed test statuses against the task's FAIL_TO_PASS and PASS_TO_PASS lists."""
     if mode not in REWARD_MODES:
         raise ValueError(f"reward mode {mode!r} is unknown; use one of {', '.join(REWARD_MODES)}")

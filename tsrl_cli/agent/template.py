@@ -69,7 +69,8 @@ class TemplateRenderer:
                              "Hermes <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> JSON); use "
                              "model.chat_template chatml")
         result = {"role": "tool", "content": "[exit code 0]\nprobe"}
-        longer = self._base + [{"role": "assistant", "content": "", "tool_calls": [_tool_call("bash", {"command": "ls"})]},
+        longer = self._base + [{"role": "assistant", "content": "",
+                                "tool_calls": [_tool_call("bash", {"command": "ls"})]},
                                {"role": "tool", "content": "[exit code 0]\na.py"}]
         if self._after_turn(result) != self._after_turn(result, longer):
             raise UsageError(f"{_WHERE}: the chat template renders a tool result differently after different "
@@ -110,7 +111,8 @@ class TemplateRenderer:
 
     # ---- what the agent loop appends ----------------------------------------------------------
     def prompt(self, system: str, user: str) -> list[int]:
-        return self.encode(self._render([{"role": "system", "content": system}, {"role": "user", "content": user}], True))
+        return self.encode(self._render([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                        True))
 
     def observation(self, text: str) -> list[int]:
         """A tool result, as the template renders a tool message after the assistant's call."""

@@ -121,7 +121,8 @@ def prepare(opts: PrepareOptions, progress: Callable[[str], None] = lambda msg: 
     result = {
         "out": str(out), "source": src.name, "kind": src.kind, "role": src.role, "split": src.split,
         "dataset_id": dataset_id, "source_revision": revision, "counts": counts, "written": len(tasks),
-        "malformed": {"count": len(malformed), "first": malformed[:MAX_REPORTED]}, "duplicate_ids": dup_ids[:MAX_REPORTED],
+        "malformed": {"count": len(malformed), "first": malformed[:MAX_REPORTED]},
+        "duplicate_ids": dup_ids[:MAX_REPORTED],
         "overlaps": overlaps, "filters": filters, "content_sha256": content,
     }
     if _up_to_date(out, content):

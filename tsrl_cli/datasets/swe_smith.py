@@ -47,7 +47,8 @@ def normalize(row: dict, split: str = "train") -> RepairTask:
     if image is None:
         image = default_image(repo)
         if image is None:
-            raise FieldError("image_name", f"missing, and repo {repo!r} is not a SWE-smith mirror name to derive it from")
+            raise FieldError("image_name", f"missing, and repo {repo!r} is not a SWE-smith mirror name to "
+                                           "derive it from")
         meta["image_derived"] = True
     try:
         gold = reverse_patch(patch)

@@ -206,6 +206,7 @@ def pull_datasets(names: list[str], *, base_images: dict[str, str] | None = None
     out["seconds"] = time.monotonic() - t0
     if failed:
         image, e = failed[0]
-        more = f" ({len(failed)} of {len(plan.missing)} images failed; the others were pulled)" if len(failed) > 1 else ""
+        more = (f" ({len(failed)} of {len(plan.missing)} images failed; the others were pulled)"
+                if len(failed) > 1 else "")
         raise type(e)(f"{e}{more}")
     return out

@@ -1,11 +1,17 @@
 """Repair environment: the agent edits a repository in a sandbox; the task's tests give the reward.
 
 Start state: a copy of the repository at its start state (the bug already in place), from a
-local directory (`repo_dir`, local executor) or from the task's image (docker executor).
+local directory (`repo_dir`, local executor) or from the task's image (docker executor). A
+SWE-smith task (`ref_kind == "branch"`) gets it set up and checked by envs/start_state.py: its
+instance branch, else its bug patch applied to the clean checkout, sealed as the repository's only
+commit (no history, ref or object that holds the fix); then its FAIL_TO_PASS tests run once per task
+and image, and a task where they already pass is refused (StartStateError, the runner's env_error).
+`env.start_state` records the path taken ("branch", "bug_patch"; "commit" for SWE-bench, "start_dir"
+for a folder that is the start state), the commit and the check.
 
 Local executor. Reward (after submission or when a limit ends the trajectory): the working copy is
-put in a state the agent cannot steer (`secure_tree`): the test directories (those of the
-FAIL_TO_PASS / PASS_TO_PASS files) are restored to the start state, agent-added files there
+put in a state the agent cannot steer (`secure_tree`, envs/guarded.py): the test directories (those
+of the FAIL_TO_PASS / PASS_TO_PASS files) are restored to the start state, agent-added files there
 removed; every file that configures pytest or Python from inside the tree (conftest.py, pytest.ini,
 tox.ini, setup.cfg, pyproject.toml, sitecustomize.py, usercustomize.py, *.pth) is the start state's
 or gone; bytecode caches are deleted; symlinks on those paths are replaced, never followed (the
@@ -17,23 +23,22 @@ verifier gives reward 0 with the reason, never an exception. Known limit: the co
 inside the verifier's process, so code the agent wrote into the source files themselves can still
 reach pytest's internals (as in SWE-bench's harness); docs/reliability.md lists what is covered.
 
-Docker executor (SWE-bench and SWE-smith images: the repository at /testbed, its environment in
-conda env `testbed` where the image has one, else the image's own python3). `start()` sets up
-the start state there: SWE-smith's instance branch (`ref_kind == "branch"`) is checked out;
-SWE-bench's image HEAD is kept when it is base_commit or built on it (the harness's image setup
-ends with `git commit --allow-empty -am SWE-bench`), else base_commit is checked out. A container
-that cannot start or set that up raises (the runner records env_error). Every agent command runs in
-/testbed after PRELUDE. The reward is computed the way both official harnesses grade, in a FRESH
-container of the same image (nothing the agent did to the image's interpreter or tools is there):
-the agent's final diff (`git add -A; git diff --cached --binary <start commit>`) minus every file
-the local executor guards (test directories and files, GUARDED_NAMES, *.pth, bytecode) is applied
-to the start state; the test files are checked out from the commit that has them (SWE-smith: the
-branch's parent when its head is the "Remove F2P Tests" commit; SWE-bench: base_commit, as its eval
-scripts do), the task's test_patch is applied, and the container's own `python3 -I -B -m pytest -rA`
-runs the test files. A fix that needs one of the guarded files therefore scores 0 here while
-SWE-bench's harness (which guards nothing) may resolve it. SWE-smith images are used as they are:
-an instance branch the image lacks is an env_error (swesmith's harness fetches it from GitHub;
-containers here have no network).
+Docker executor (SWE-bench and SWE-smith images: the repository at /testbed, its environment in conda
+env `testbed` where the image has one, else the image's own python3). `start()` sets up the start state
+there: SWE-smith's as above; SWE-bench's image HEAD is kept when it is base_commit or built on it (the
+harness's image setup ends with `git commit --allow-empty -am SWE-bench`), else base_commit is checked
+out. A container that cannot start or set that up raises (the runner records env_error). Every agent
+command runs in /testbed after PRELUDE. The reward is computed the way both official harnesses grade, in
+a FRESH container of the same image (nothing the agent did to the image's interpreter or tools is
+there): the start state is set up again (SWE-smith: with the history the agent's sealed copy lacks, its
+tree sealing to the same commit), the agent's final diff (`git add -A; git diff --cached --binary <start
+commit>`) minus every file the local executor guards (test directories and files, guarded.GUARDED_NAMES,
+*.pth, bytecode) is applied to it; the test files are checked out from the commit that has them
+(SWE-smith: the branch's parent when its head is the "Remove F2P Tests" commit; SWE-bench: base_commit,
+as its eval scripts do), the task's test_patch is applied, and the container's own `python3 -I -B -m
+pytest -rA` runs the test files. A fix that needs one of the guarded files therefore scores 0 here while
+SWE-bench's harness (which guards nothing) may resolve it. Containers here have no network: swesmith's
+harness fetches a missing instance branch from GitHub, tsrl applies the row's bug patch instead.
 
 Known states (local executor, tasks that ship their start state and a one-file gold patch, as the
 embedded suite does): a task's start state and its gold state were both run through the tests when
@@ -46,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import shlex
 import shutil
 import sys
@@ -57,6 +61,23 @@ from tsrl_cli.agent.loop import RewardResult
 from tsrl_cli.agent.rewards import parse_pytest_log, repair_reward
 from tsrl_cli.datasets.patches import apply_one_line_patch
 from tsrl_cli.envs.base import SandboxEnv
+from tsrl_cli.envs.guarded import (  # noqa: F401 - split_diff: the verifier's names, importable from here too
+    SKIP_DIRS,
+    secure_tree,
+    split_diff,
+    test_files,
+    tree_digest,
+    unguarded_diff,
+)
+from tsrl_cli.envs.start_state import (
+    SWESMITH_HIDE_TESTS,
+    fail_to_pass_passing,
+    local_start,
+    once,
+    parse_start,
+    refuse_if_passing,
+    start_script,
+)
 from tsrl_cli.errors import UsageError
 from tsrl_cli.sandbox import Limits, Mount, open_sandbox
 
@@ -70,105 +91,8 @@ TESTBED = "/testbed"
 # SWE-bench / SWE-smith images: the repository at /testbed, its environment in conda env `testbed`
 PRELUDE = (f"cd {TESTBED} && if [ -f /opt/miniconda3/bin/activate ]; then "
            ". /opt/miniconda3/bin/activate testbed >/dev/null 2>&1; fi\n")
-# SWE-smith's instance branches end with this commit, which deletes the FAIL_TO_PASS test files
-SWESMITH_HIDE_TESTS = "Remove F2P Tests"
 _IO = "/tmp/tsrl-io"  # where files for one command are copied into a container (docker `run(mounts=)`)
 _SPLIT = "\0TSRL-DIFF\0"  # between the NUL-separated path list and the diff in final_diff's output
-
-# files that configure pytest or Python from inside the tree: only the start state's count
-GUARDED_NAMES = ("conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
-                 "usercustomize.py")
-
-
-def test_files(test_ids: list[str]) -> list[str]:
-    """Files named by pytest ids ("tests/test_x.py::test_y" -> "tests/test_x.py"), in order, unique."""
-    seen: dict[str, None] = {}
-    for t in test_ids:
-        seen.setdefault(t.split("::", 1)[0], None)
-    return list(seen)
-
-
-_SKIP_DIRS = {"__pycache__", ".pytest_cache"}
-
-
-def test_dirs(files: list[str]) -> list[str]:
-    """The directories holding the test files ("" for a test file at the root: only the file is guarded)."""
-    return sorted({os.path.dirname(f) for f in files} - {""})
-
-
-def _guarded(rel: str, dirs: list[str], files: list[str]) -> bool:
-    name = os.path.basename(rel)
-    return (name in GUARDED_NAMES or name.endswith(".pth") or rel in files
-            or any(rel.startswith(d + "/") for d in dirs))
-
-
-def _remove(p: Path) -> None:
-    """Remove p whatever it is, without following a symlink."""
-    if p.is_symlink() or not p.is_dir():
-        p.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(p)
-
-
-def _place(root: Path, rel: str, src: Path) -> None:
-    """Copy src to root/rel through real directories only: a symlink or file in the way is removed first."""
-    cur = root
-    for part in Path(rel).parts[:-1]:
-        cur = cur / part
-        if cur.is_symlink() or (cur.exists() and not cur.is_dir()):
-            _remove(cur)
-        if not cur.exists():
-            cur.mkdir()
-    dst = root / rel
-    if os.path.lexists(dst):
-        _remove(dst)
-    shutil.copyfile(src, dst, follow_symlinks=False)
-
-
-def secure_tree(workdir: Path, start: Path, files: list[str]) -> None:
-    """Make the working copy's test files, pytest configuration and interpreter hooks the start state's.
-
-    files: the test files (relative paths). Guarded: those files, everything under their directories,
-    and every GUARDED_NAMES / *.pth file anywhere. A guarded path the start state lacks is removed; one
-    it has is copied back. Bytecode caches go (a forged .pyc of an unchanged test would run instead of
-    it). No symlink is followed: this runs on the host, on a tree the agent wrote.
-    """
-    dirs = test_dirs(files)
-    keep = set()
-    for dirpath, dirnames, filenames in os.walk(start):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        for name in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, name), start)
-            if _guarded(rel, dirs, files) and not os.path.islink(os.path.join(dirpath, name)):
-                keep.add(rel)
-    for dirpath, dirnames, filenames in os.walk(workdir):  # does not descend into symlinked directories
-        here = Path(dirpath)
-        for d in list(dirnames):
-            p, rel = here / d, os.path.relpath(here / d, workdir)
-            if d in _SKIP_DIRS or (p.is_symlink() and (_guarded(rel, dirs, files) or rel in dirs)):
-                _remove(p)
-                dirnames.remove(d)
-        for name in filenames:
-            p, rel = here / name, os.path.relpath(here / name, workdir)
-            if name.endswith(".pyc") or (_guarded(rel, dirs, files) and rel not in keep):
-                _remove(p)
-    for rel in sorted(keep):
-        _place(workdir, rel, start / rel)
-
-
-def tree_digest(root: Path) -> str:
-    """sha256 over (relative path, content) of every file under root, caches skipped; links by target."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if name.endswith(".pyc"):
-                continue
-            p = Path(dirpath) / name
-            h.update(str(p.relative_to(root)).encode() + b"\0")
-            h.update(os.readlink(p).encode() if p.is_symlink() else p.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
 
 
 _KNOWN: dict[tuple[str, str], dict[str, RewardResult]] = {}
@@ -181,47 +105,16 @@ def known_states(task, repo_dir: Path) -> dict[str, RewardResult]:
         states = {tree_digest(repo_dir): RewardResult(0.0, "start state: FAIL_TO_PASS fail (validated at build)")}
         with tempfile.TemporaryDirectory(prefix="tsrl-gold-") as tmp:
             gold = Path(tmp) / "repo"
-            shutil.copytree(repo_dir, gold, symlinks=True, ignore=shutil.ignore_patterns(*_SKIP_DIRS, "*.pyc"))
+            shutil.copytree(repo_dir, gold, symlinks=True, ignore=shutil.ignore_patterns(*SKIP_DIRS, "*.pyc"))
             if apply_one_line_patch(gold, task.gold_patch):
                 states[tree_digest(gold)] = RewardResult(1.0, "gold state: all tests pass (validated at build)")
         _KNOWN[key] = states
     return _KNOWN[key]
 
 
-def split_diff(names: list[str], diff: str) -> dict[str, str]:
-    """{path: its part of the diff} for a `git diff --no-renames` and its `--name-only` list, in order.
-
-    Each file's part starts with a "diff --git " line (no hunk, context or base85 line can start so).
-    ValueError when the parts and the names do not pair up.
-    """
-    parts, cur = [], []
-    for line in diff.splitlines(keepends=True):
-        if line.startswith("diff --git ") and cur:
-            parts.append("".join(cur))
-            cur = []
-        cur.append(line)
-    if cur:
-        parts.append("".join(cur))
-    if len(parts) != len(names):
-        raise ValueError(f"{len(names)} changed paths but {len(parts)} file diffs")
-    return dict(zip(names, parts, strict=True))
-
-
-def unguarded_diff(names: list[str], diff: str, test_file_list: list[str]) -> tuple[str, list[str]]:
-    """(the diff without the files the verifier guards, the guarded paths left out).
-
-    Guarded as `secure_tree` guards them: the test files and their directories, GUARDED_NAMES and
-    *.pth anywhere, bytecode and caches.
-    """
-    dirs = test_dirs(test_file_list)
-    kept, dropped = [], []
-    for path, part in split_diff(names, diff).items():
-        cache = path.endswith(".pyc") or any(p in _SKIP_DIRS for p in path.split("/"))
-        if cache or _guarded(path, dirs, test_file_list):
-            dropped.append(path)
-        else:
-            kept.append(part)
-    return "".join(kept), dropped
+def setup_failure(res) -> str:
+    """The reason verify_script's setup gave up (its TSRL_VERIFY_SETUP line)."""
+    return res.stderr.split("TSRL_VERIFY_SETUP: ", 1)[1].splitlines()[0]
 
 
 class RepairEnv(SandboxEnv):
@@ -243,6 +136,9 @@ class RepairEnv(SandboxEnv):
             self.start_path = None  # the image holds the repository; /workdir stays empty
         self.reward_mode, self.verifier_timeout_s = reward_mode, verifier_timeout_s
         self.start_sha: str | None = None  # docker: the commit the agent started from (set by start())
+        # how the start state was reached (module doc), set by start(); the local verifier's test files
+        self.start_state: dict = {"path": "start_dir" if executor == "local" else task.ref_kind}
+        self.tests_dir = self.repo_dir
         # the verifier's interpreter: this process's (local sandbox), the container's own (docker)
         self.python = python or (sys.executable if executor == "local" else "python3")
         self.instruction = INSTRUCTION.format(problem=task.problem_statement.strip())
@@ -262,28 +158,70 @@ class RepairEnv(SandboxEnv):
 
     # -- start and commands --------------------------------------------------------------------------------
 
+    @property
+    def swesmith(self) -> bool:
+        """A SWE-smith task: its start state is set up and checked by envs/start_state.py."""
+        return self.task.ref_kind == "branch"
+
     async def start(self) -> None:
+        if self.swesmith and not self.docker:  # set up and checked once per task; each sandbox copies it
+            prep = await asyncio.to_thread(
+                local_start, self.task, self.repo_dir, test_command=self.test_command(), limits=self.limits,
+                allow_unisolated=self.allow_unisolated, timeout_s=self.verifier_timeout_s)
+            self.start_path, self.tests_dir, self.start_state = prep.start_dir, prep.tests_dir, dict(prep.info)
         await super().start()
         if self.docker:
-            await asyncio.to_thread(self._checkout_start)
+            try:
+                await asyncio.to_thread(self._checkout_start)
+                if self.swesmith:
+                    await asyncio.to_thread(self._check_start)
+            except BaseException:  # a task that cannot start leaves no container behind, whoever called
+                await self.close()
+                self.sandbox = None
+                raise
 
     def _checkout_start(self) -> None:
         """The start state in the image's repository, its commit kept in start_sha (what diffs are taken
         against, so commits the agent makes count too); RuntimeError (the runner's env_error) when it fails.
 
-        SWE-smith: the instance branch is checked out. SWE-bench: the image's HEAD is kept when it is
-        base_commit or built on it (the harness's images commit their setup changes on top of
-        base_commit, and grade patches against that state); otherwise base_commit is checked out.
-        Never forced: a checkout that would discard changes the image holds fails instead.
+        SWE-smith: start_script (the instance branch, else the bug patch applied and committed).
+        SWE-bench: the image's HEAD is kept when it is base_commit or built on it (the harness's images
+        commit their setup changes on top of base_commit, and grade patches against that state);
+        otherwise base_commit is checked out. Never forced: a checkout that would discard changes the
+        image holds fails instead.
         """
+        where = f"{self.image}:{TESTBED}"
+        if self.swesmith:
+            res = self._exec_with_files(start_script(self.task, f"{_IO}/bug.diff"), self._start_files(), 120.0)
+            self.start_state = {**parse_start(self.task, res, where), "where": where}
+            self.start_sha = self.start_state["sha"]
+            return
         ref = shlex.quote(self.task.base_ref)
-        keep = "" if self.task.ref_kind == "branch" else f"git merge-base --is-ancestor {ref} HEAD 2>/dev/null || "
-        res = self.exec(f"{{ {keep}git checkout -q {ref}; }} && git rev-parse --verify HEAD", 120.0)
+        res = self.exec(f"{{ git merge-base --is-ancestor {ref} HEAD 2>/dev/null || git checkout -q {ref}; }} && "
+                        "git rev-parse --verify HEAD", 120.0)
         sha = res.stdout.strip().splitlines()[-1:] if res.exit_code == 0 and not res.limit else []
         if not sha:
-            raise RuntimeError(f"task {self.task_id}: cannot check out {self.task.base_ref} in {self.image}:{TESTBED} "
+            raise RuntimeError(f"task {self.task_id}: cannot check out {self.task.base_ref} in {where} "
                                f"(exit {res.exit_code}): {(res.stderr or res.stdout).strip()[-300:]}")
         self.start_sha = sha[0]
+        self.start_state = {"path": "commit", "sha": self.start_sha, "where": where}
+
+    def _start_files(self) -> dict[str, str]:
+        """What start_script reads under _IO: the bug patch, when the task has one."""
+        return {"bug.diff": self.task.bug_patch} if self.task.bug_patch else {}
+
+    def _check_start(self) -> None:
+        """Docker: the FAIL_TO_PASS tests at the start state, in a fresh container as the verifier runs them
+        (once per task, image and start commit); StartStateError when they all pass already."""
+        def run() -> tuple[int, str]:
+            res = self._fresh_verify(None)
+            if "TSRL_VERIFY_SETUP: " in res.stderr:
+                return 0, f"verifier setup failed: {setup_failure(res)}"
+            return fail_to_pass_passing(self.task, res)
+
+        key = ("image", self.task_id, self.image, self.start_sha)
+        self.start_state["fail_to_pass_passing"], self.start_state["check"] = once(key, run)
+        refuse_if_passing(self.task, self.start_state)
 
     def exec(self, command: str, timeout_s: float, mounts=None):
         return super().exec(PRELUDE + command if self.docker else command, timeout_s, mounts)
@@ -339,7 +277,7 @@ class RepairEnv(SandboxEnv):
     def _restore_tests(self) -> None:
         if self.repo_dir is None or self.docker:
             return
-        secure_tree(self.sandbox.workdir, self.repo_dir, test_files(self.task.fail_to_pass + self.task.pass_to_pass))
+        secure_tree(self.sandbox.workdir, self.tests_dir, test_files(self.task.fail_to_pass + self.task.pass_to_pass))
 
     def _known_reward(self) -> RewardResult | None:
         """The validated reward when the tree equals the task's start or gold state (see the module doc)."""
@@ -350,22 +288,24 @@ class RepairEnv(SandboxEnv):
         return known_states(self.task, self.repo_dir).get(tree_digest(self.sandbox.workdir))
 
     def verify_script(self, agent_diff: bool) -> str:
-        """The fresh container's script (after PRELUDE): the start state, the agent's unguarded diff, the test
-        files from the commit that has them (SWE-smith: the branch's parent when its head hides them;
-        SWE-bench: base_commit, as its eval scripts do), the test_patch, then the tests."""
+        """The fresh container's script (after PRELUDE): the start state (SWE-smith: set up again with its
+        history, which the agent's sealed copy lacks, and its tree checked to seal to the agent's start commit),
+        the agent's unguarded diff, the test files from the commit that has them (SWE-smith: the branch's parent
+        when its head hides them; SWE-bench: base_commit, as its eval scripts do), the test_patch, the tests."""
         t, q = self.task, shlex.quote
         start = q(self.start_sha or t.base_ref)
         files = test_files(t.fail_to_pass + t.pass_to_pass)
-        lines = ['fail() { echo "TSRL_VERIFY_SETUP: $1" >&2; exit 3; }',
-                 (f'[ "$(git rev-parse HEAD)" = {start} ] || git checkout -q {start} '
-                  "|| fail 'cannot check out the start state'")]
+        lines = ['fail() { echo "TSRL_VERIFY_SETUP: $1" >&2; exit 3; }']
+        if self.swesmith:
+            again = start_script(t, f"{_IO}/bug.diff", seal=False)
+            lines += [f"s=$( ( {again}) ) || fail 'cannot set up the start state again'",
+                      f'[ "${{s##* }}" = {start} ] || fail "the start set up again seals to ${{s##* }}, not {start}"',
+                      f'tref=HEAD; [ "$(git log -1 --format=%s)" = {q(SWESMITH_HIDE_TESTS)} ] && tref=HEAD~1']
+        else:
+            lines += [f'[ "$(git rev-parse HEAD)" = {start} ] || git checkout -q {start} '
+                      "|| fail 'cannot check out the start state'", f"tref={q(t.base_ref)}"]
         if agent_diff:
             lines.append(f"git apply {_IO}/agent.diff || fail \"the agent's diff does not apply to the start state\"")
-        if t.ref_kind == "branch":
-            lines.append(f"tref={start}")
-            lines.append(f'[ "$(git log -1 --format=%s {start})" = {q(SWESMITH_HIDE_TESTS)} ] && tref={start}~1')
-        else:
-            lines.append(f"tref={q(t.base_ref)}")
         for f in files:  # a file the commit lacks (one the test_patch adds) must not exist either
             lines.append(f'if git cat-file -e "$tref:"{q(f)} 2>/dev/null; then git checkout -q "$tref" -- {q(f)} '
                          f"|| fail {q('cannot restore ' + f)}; else rm -rf -- {q(f)}; fi")
@@ -374,31 +314,41 @@ class RepairEnv(SandboxEnv):
         lines.append(self.test_command())
         return "\n".join(lines) + "\n"
 
-    def _container_reward(self) -> RewardResult:
-        names, diff = self.final_diff()
-        kept, dropped = unguarded_diff(names, diff, test_files(self.task.fail_to_pass + self.task.pass_to_pass))
-        files = {"agent.diff": kept} if kept else {}
+    def _fresh_verify(self, agent_diff: str | None):
+        """verify_script in a fresh container of the image -> its ExecResult (agent_diff None: the start state)."""
+        files = {**self._start_files(), **({"agent.diff": agent_diff} if agent_diff else {})}
         if self.task.test_patch:
             files["test.diff"] = self.task.test_patch
         sb = open_sandbox(None, executor="docker", image=self.image, limits=self.limits)
         try:
-            res = self._exec_with_files(self.verify_script(bool(kept)), files, self.verifier_timeout_s, sandbox=sb)
+            return self._exec_with_files(self.verify_script(bool(agent_diff)), files, self.verifier_timeout_s,
+                                         sandbox=sb)
         finally:
             sb.close()
+
+    def _container_reward(self) -> RewardResult:
+        names, diff = self.final_diff()
+        kept, dropped = unguarded_diff(names, diff, test_files(self.task.fail_to_pass + self.task.pass_to_pass))
+        res = self._fresh_verify(kept)
         if "TSRL_VERIFY_SETUP: " in res.stderr:
-            return RewardResult(0.0, res.stderr.split("TSRL_VERIFY_SETUP: ", 1)[1].splitlines()[0],
-                                {"guarded_paths_dropped": dropped})
+            return RewardResult(0.0, setup_failure(res), {"guarded_paths_dropped": dropped, **self._start_detail()})
         return self._score(res, {"guarded_paths_dropped": dropped} if dropped else {})
 
     def _score(self, res, extra: dict) -> RewardResult:
+        extra = {**extra, **self._start_detail()}
         if res.limit:
-            return RewardResult(0.0, f"verifier stopped by the {res.limit} limit", {"exit_code": res.exit_code, **extra})
+            return RewardResult(0.0, f"verifier stopped by the {res.limit} limit", {"exit_code": res.exit_code,
+                                                                                    **extra})
         status = parse_pytest_log(res.stdout)
         if not status:
             return RewardResult(0.0, f"no test results (exit code {res.exit_code}): {res.stderr.strip()[-200:]}", extra)
         r = repair_reward(status, self.task.fail_to_pass, self.task.pass_to_pass, self.reward_mode)
         r.details.update(extra)
         return r
+
+    def _start_detail(self) -> dict:
+        """The start state's path in the reward's details (SWE-smith tasks: "branch" or "bug_patch")."""
+        return {"start_state": self.start_state["path"]} if self.swesmith else {}
 
     async def reward(self) -> RewardResult:
         if self.sandbox is None:

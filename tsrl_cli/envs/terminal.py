@@ -124,5 +124,6 @@ class TerminalEnv(SandboxEnv):
         if self.task.format == "tb1":
             status = parse_pytest_log(res.stdout)
             passed = bool(status) and all(s in ("PASSED", "XFAIL") for s in status.values())
-            return RewardResult(float(passed), f"{sum(s == 'PASSED' for s in status.values())}/{len(status)} tests passed")
+            return RewardResult(float(passed), f"{sum(s == 'PASSED' for s in status.values())}/{len(status)} "
+                                               "tests passed")
         return read_reward_file(logs)

@@ -139,7 +139,8 @@ def evaluate_embedded(
     """
     loaded = [d if isinstance(d, Dataset) else open_dataset(d, limit) for d in datasets]
     jobs = make_jobs(loaded, samples, seeds)
-    make_renderer(tokenizer, chat_template, thinking)  # a tokenizer the agent cannot use fails before out_dir is written
+    # a tokenizer the agent cannot use fails before out_dir is written
+    make_renderer(tokenizer, chat_template, thinking)
     was_training = getattr(model, "training", False)
     if engine is None:
         engine = engine_on_model(model, tokenizer)  # the hf engine puts the model in eval mode
@@ -148,7 +149,8 @@ def evaluate_embedded(
     t0 = time.perf_counter()
     try:
         log = open_out_dir(out_dir, config) if out_dir is not None else None
-        records = run_jobs(engine, tokenizer, jobs, make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
+        records = run_jobs(engine, tokenizer, jobs,
+                           make_env=lambda j: make_env(j.task, j.dataset_dir, executor="local"),
                            collect_patch=local_patch, temperature=temperature, limits=limits, concurrency=concurrency,
                            max_batch=max_batch, log=log, progress=progress, chat_template=chat_template,
                            thinking=thinking)
@@ -170,8 +172,10 @@ def run_embedded_eval(model_dir: str = DEFAULT_MODEL, datasets: Iterable[str] = 
     """`tsrl eval embedded`: check the inputs, open the policy directory's hf engine on `device` (None: the
     first GPU where there is one, else cpu; devices.engine_device), evaluate, write the results."""
     if not (Path(model_dir) / "config.json").is_file():
-        raise UsageError(f"--model {model_dir}: no policy directory there (no config.json); {prepare_hint('embedded_repair_train')}, "
-                         "or pass --model DIR (any save_pretrained directory with its tokenizer, e.g. a tsrl train checkpoint)")
+        raise UsageError(f"--model {model_dir}: no policy directory there (no config.json); "
+                         f"{prepare_hint('embedded_repair_train')}, "
+                         "or pass --model DIR (any save_pretrained directory with its tokenizer, "
+                         "e.g. a tsrl train checkpoint)")
     loaded = [open_dataset(d, limit) for d in datasets]
     seeds = tuple(seeds)
     make_jobs(loaded, samples, seeds)  # --samples and --seed checked before the model loads

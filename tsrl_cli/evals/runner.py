@@ -1,7 +1,7 @@
 """Run the training agent loop on evaluation instances with any engine: records, resume, summary.
 
 The agent loop is the one training uses (agent/loop.py::run_agent), batched through the batcher
-training uses (engines/base.py make_batcher), as `tsrl policy probe` is. What changes between the
+training uses (engines/batching.py make_batcher), as `tsrl policy probe` is. What changes between the
 embedded suite, Terminal-Bench and SWE-bench is only the environment factory (`make_env(job)`) and
 the patch collector.
 
@@ -34,7 +34,8 @@ from typing import Any
 from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.datasets.store import Dataset
-from tsrl_cli.engines.base import SamplingParams, make_batcher
+from tsrl_cli.engines.batching import make_batcher
+from tsrl_cli.engines.protocol import SamplingParams
 from tsrl_cli.errors import UsageError
 from tsrl_cli.evals.stats import wilson_interval
 from tsrl_cli.files import write_json_atomic, write_jsonl_atomic
@@ -103,7 +104,8 @@ class RecordLog:
                 rec = json.loads(line)
                 latest[record_key(rec)] = rec
             except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-                raise UsageError(f"{self.path}:{i}: not an evaluation record; move the file away to start over") from None
+                raise UsageError(f"{self.path}:{i}: not an evaluation record; "
+                                 "move the file away to start over") from None
         return list(latest.values())
 
     def append(self, rec: dict) -> None:
@@ -125,10 +127,12 @@ def open_out_dir(out_dir: str | Path, config: dict) -> RecordLog:
     cfg_path = out / CONFIG
     if cfg_path.is_file():
         old = json.loads(cfg_path.read_text())
-        diff = [k for k in CONFIG_KEYS if json.dumps(old.get(k), sort_keys=True) != json.dumps(config.get(k), sort_keys=True)]
+        diff = [k for k in CONFIG_KEYS
+                if json.dumps(old.get(k), sort_keys=True) != json.dumps(config.get(k), sort_keys=True)]
         if diff:
             k = diff[0]
-            raise UsageError(f"{out} holds records made with other settings ({k}: {old.get(k)!r}, now {config.get(k)!r}); "
+            raise UsageError(f"{out} holds records made with other settings ({k}: "
+                             f"{old.get(k)!r}, now {config.get(k)!r}); "
                              "pass another --out, or delete that folder to start over")
     write_json_atomic(cfg_path, config, sort_keys=True)
     return RecordLog(out / RECORDS)
@@ -174,7 +178,7 @@ def run_jobs(
 ) -> list[dict]:
     """Run every job that has no record yet; return the records of all `jobs`, in job order.
 
-    `engine` is any PolicyEngine (hf, vllm, scripted); one batcher (engines/base.py make_batcher: continuous
+    `engine` is any PolicyEngine (hf, vllm, scripted); one batcher (engines/batching.py make_batcher: continuous
     for hf and vllm) serves all sessions, at most `max_batch` turns in the engine at once.
     `agent`: "policy" (the engine plays), or the controls Harbor names: "oracle" (the env's
     `play_oracle()`: the task's reference solution) and "nop" (nothing); engine and tokenizer may be
@@ -338,8 +342,8 @@ def docker_unavailable_reason(timeout_s: float = 20.0) -> str | None:
     if exe is None:
         return "the docker CLI is not on PATH"
     try:
-        r = subprocess.run([exe, "version", "--format", "{{.Server.Version}}"], check=False, capture_output=True, text=True,
-                           timeout=timeout_s, stdin=subprocess.DEVNULL)
+        r = subprocess.run([exe, "version", "--format", "{{.Server.Version}}"], check=False, capture_output=True,
+                           text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return f"`docker version` got no answer from the daemon within {timeout_s:.0f} s"
     if r.returncode != 0 or not r.stdout.strip():

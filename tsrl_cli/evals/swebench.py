@@ -107,7 +107,8 @@ def harness_row(task) -> dict:
         "hints_text": m.get("hints_text", ""), "created_at": m.get("created_at", ""), "version": m.get("version", ""),
         "environment_setup_commit": m.get("environment_setup_commit", ""),
         "FAIL_TO_PASS": json.dumps(task.fail_to_pass), "PASS_TO_PASS": json.dumps(task.pass_to_pass),
-        "image": task.image, "eval_script": task.eval_script, "log_parser": task.log_parser, "eval_type": task.eval_type,
+        "image": task.image, "eval_script": task.eval_script, "log_parser": task.log_parser,
+        "eval_type": task.eval_type,
     }
 
 
@@ -117,10 +118,12 @@ def check_row_columns(rows: list[dict], where: str) -> None:
         missing = [k for k in V5_COLUMNS if not r.get(k)]
         if missing:
             raise UsageError(f"{where}: instance {r['instance_id']} has no {', '.join(missing)}: swebench "
-                             f"{HARNESS_MAJOR}.x grades from rows that carry them (prepare SWE-bench/SWE-bench_Verified, "
+                             f"{HARNESS_MAJOR}.x grades from rows that carry them "
+                             "(prepare SWE-bench/SWE-bench_Verified, "
                              "or pass --harness-dataset NAME_OR_FILE)")
         if ">>>>> Start Test Output" not in r["eval_script"] or ">>>>> End Test Output" not in r["eval_script"]:
-            raise UsageError(f"{where}: instance {r['instance_id']}: eval_script lacks the harness's test output markers")
+            raise UsageError(f"{where}: instance {r['instance_id']}: eval_script lacks the harness's test "
+                             "output markers")
 
 
 def check_row_parsers(rows: list[dict], where: str) -> None:
@@ -354,7 +357,8 @@ def run_swebench(model: str | None, *, engine: str = "vllm", dataset: str = "dat
         write_json_atomic(out / SUMMARY, s, sort_keys=True)
         return s
     report = grade(out / PREDICTIONS, harness_ds, out, run_id=out.name,
-                   workers=workers, timeout_s=timeout_s, instance_ids=[p["instance_id"] for p in preds], progress=progress)
+                   workers=workers, timeout_s=timeout_s, instance_ids=[p["instance_id"] for p in preds],
+                   progress=progress)
     resolved = set(report.get("resolved_ids", []))
     for r in records:
         if not r.get("error"):
@@ -397,14 +401,16 @@ def _grade_only(predictions: str, dataset: str, harness_dataset: str | None, out
         check_row_columns(rows, dataset)
         images = [r["image"] for r in rows]
     elif Path(harness_dataset).suffix in (".jsonl", ".json", ".parquet") and not Path(harness_dataset).is_file():
-        raise UsageError(f"--harness-dataset {harness_dataset}: no such file (a hub id, or a file of swebench 5.x rows)")
+        raise UsageError(f"--harness-dataset {harness_dataset}: no such file (a hub id, "
+                         "or a file of swebench 5.x rows)")
     require_docker("tsrl eval swebench --grade-only")
     version = require_swebench()
     if images is None and Path(harness_dataset).suffix in (".jsonl", ".json"):
         from swebench.harness.utils import load_swebench_dataset
 
         ids = {p["instance_id"] for p in preds}
-        images = [r["image"] for r in load_swebench_dataset(harness_dataset) if r["instance_id"] in ids and r.get("image")]
+        images = [r["image"] for r in load_swebench_dataset(harness_dataset)
+                  if r["instance_id"] in ids and r.get("image")]
     if images:  # a hub dataset is fetched by the harness, its images with it: that run is online anyway
         require_images(images, harness_dataset or dataset)
     out.mkdir(parents=True, exist_ok=True)

@@ -261,6 +261,7 @@ def run_via_harbor(*, dataset: str, served_model: str, endpoint: str, agent: str
         rc = proc.wait()
     res = {"via": "harbor", "label": f"{name} via harbor ({agent} agent, scored by harbor)", "command": cmd,
            "exit_code": rc, "jobs_dir": str(job_dir), "log": str(log_path), "harbor_scores": harbor_scores(job_dir),
-           "note": "scores are harbor's own (its printed table and result.json in jobs_dir); tsrl does not re-score them"}
+           "note": "scores are harbor's own (its printed table and result.json in jobs_dir); "
+                   "tsrl does not re-score them"}
     write_json_atomic(out / "harbor_run.json", res, sort_keys=True)
     return res
