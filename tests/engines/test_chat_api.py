@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tsrl_cli.agent.renderer import ChatMLRenderer, served_chat
-from tsrl_cli.engines.base import SamplingParams, TurnRequest
 from tsrl_cli.engines.hf import HFEngine
+from tsrl_cli.engines.protocol import SamplingParams, TurnRequest
 from tsrl_cli.engines.server import start_server
 from tsrl_cli.policy import load_policy
 from tsrl_cli.rl.toy import ensure_toy_policy
@@ -23,7 +23,8 @@ httpx = pytest.importorskip("httpx")
 
 KEY = "chat-key-42"
 MESSAGES = [{"role": "system", "content": "You are a shell agent."},
-            {"role": "user", "content": [{"type": "text", "text": "Print the word "}, {"type": "text", "text": "dragon."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Print the word "},
+                                         {"type": "text", "text": "dragon."}]},
             {"role": "assistant", "content": "echo dragon"},
             {"role": "user", "content": "Again."}]
 
@@ -71,7 +72,7 @@ def test_the_official_client_gets_the_models_turn(toy):
     assert choice.message.content == tok.decode(text_ids, skip_special_tokens=True)
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(ref.token_ids)
     got = [t.logprob for t in choice.logprobs.content]
-    assert len(got) == len(ref.logprobs) and max(abs(a - b) for a, b in zip(got, ref.logprobs)) < 1e-12
+    assert len(got) == len(ref.logprobs) and max(abs(a - b) for a, b in zip(got, ref.logprobs, strict=True)) < 1e-12
     off = reference(tok, model, prompt[:-1], seed=11, max_tokens=24)  # positive control: one token off
     assert off.logprobs[: len(got)] != got[: len(off.logprobs)]
 

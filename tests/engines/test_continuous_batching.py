@@ -1,4 +1,4 @@
-"""Continuous batching (engines/base.py ContinuousBatcher, the hf engine's add/step/running).
+"""Continuous batching (engines/batching.py ContinuousBatcher, the hf engine's add/step/running).
 
 A turn's tokens and log-probs do not depend on when it joined the running batch: checked in float64
 against the same request run alone and against an independent replay (one full forward of context +
@@ -16,17 +16,10 @@ import threading
 import pytest
 import torch
 
-from tsrl_cli.engines.base import (
-    ContinuousBatcher,
-    SamplingParams,
-    TurnBatcher,
-    TurnOutput,
-    TurnRequest,
-    make_batcher,
-    quantile_nearest_rank,
-    request_seed,
-)
+from tsrl_cli.engines.batching import ContinuousBatcher, TurnBatcher, make_batcher
+from tsrl_cli.engines.batching_stats import quantile_nearest_rank
 from tsrl_cli.engines.hf import HFEngine, sample_token
+from tsrl_cli.engines.protocol import SamplingParams, TurnOutput, TurnRequest, request_seed
 from tsrl_cli.errors import UsageError
 from tsrl_cli.policy import build_tiny_model
 
@@ -88,10 +81,10 @@ def test_turns_joining_at_different_steps_equal_each_turn_alone_float64():
     for i, (_, r) in enumerate(SCHEDULE):
         a, c = alone[i], out[i]
         assert c.token_ids == a.token_ids and c.finish_reason == a.finish_reason, i
-        assert max(abs(x - y) for x, y in zip(c.logprobs, a.logprobs)) < 1e-9, i
+        assert max(abs(x - y) for x, y in zip(c.logprobs, a.logprobs, strict=True)) < 1e-9, i
         toks, lps = replay(model, r, c)
         assert toks == c.token_ids, i
-        assert max(abs(x - y) for x, y in zip(c.logprobs, lps)) < 1e-9, i
+        assert max(abs(x - y) for x, y in zip(c.logprobs, lps, strict=True)) < 1e-9, i
     assert {o.finish_reason for o in out.values()} == {"stop", "length"}
     # control: the comparison can fail (another seed, other tokens)
     r0 = SCHEDULE[0][1]
@@ -162,8 +155,9 @@ def test_a_turn_admitted_while_another_runs_returns_before_it_ends(batching):
         outs = asyncio.run(main())
     finally:
         batcher.close()
-    for o, ref in zip(outs, refs):
-        assert o.token_ids == ref.token_ids and max(abs(x - y) for x, y in zip(o.logprobs, ref.logprobs)) < 1e-9
+    for o, ref in zip(outs, refs, strict=True):
+        assert o.token_ids == ref.token_ids
+        assert max(abs(x - y) for x, y in zip(o.logprobs, ref.logprobs, strict=True)) < 1e-9
     if batching == "continuous":
         assert isinstance(batcher, ContinuousBatcher)
         assert eng.ended_at == {50: k + short_len, 40: long_len} and order == ["short", "long"]
@@ -220,7 +214,8 @@ def fifo_recount(lengths: list[int], slots: int) -> dict:
                 del running[i]
                 last = t
     return {"turns": len(lengths), "generated_tokens": sum(lengths), "tokens_per_s": sum(lengths) / last,
-            "queue_wait_mean_s": sum(waits) / len(waits), "queue_wait_p95_s": sorted(waits)[math.ceil(0.95 * len(waits)) - 1],
+            "queue_wait_mean_s": sum(waits) / len(waits),
+            "queue_wait_p95_s": sorted(waits)[math.ceil(0.95 * len(waits)) - 1],
             "running_mean": sum(per_step) / len(per_step), "steps": len(per_step)}
 
 

@@ -3,8 +3,8 @@
 import torch
 
 from tsrl_cli.core.losses import token_logprobs
-from tsrl_cli.engines.base import SamplingParams, TurnRequest, request_seed
 from tsrl_cli.engines.hf import HFEngine, sample_token
+from tsrl_cli.engines.protocol import SamplingParams, TurnRequest, request_seed
 from tsrl_cli.policy import build_tiny_model
 
 
@@ -20,9 +20,9 @@ def test_same_request_same_tokens_alone_or_batched_float64():
     batched = eng.generate(reqs)
     shuffled = eng.generate(list(reversed(reqs)))[::-1]
     other_load = eng.generate(reqs[:2] + requests(4, temperature=0.7)[2:])[:2]
-    for a, b, c in zip(alone, batched, shuffled):
+    for a, b, c in zip(alone, batched, shuffled, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-12
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-12
     assert [o.token_ids for o in other_load] == [a.token_ids for a in alone[:2]]
     assert len({tuple(a.token_ids) for a in alone}) > 1  # different seeds, different samples
 
@@ -31,7 +31,7 @@ def test_batch_invariant_mode_is_bitwise_in_float32():
     eng = HFEngine(build_tiny_model(0, torch.float32), batch_invariant=True)
     reqs = requests()
     alone = [eng.generate([r])[0] for r in reqs]
-    for a, b in zip(alone, eng.generate(reqs)):
+    for a, b in zip(alone, eng.generate(reqs), strict=True):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
 
 
@@ -50,7 +50,8 @@ def test_stop_tokens_greedy_and_top_p():
     eng = HFEngine(build_tiny_model(0, torch.float32))
     g = eng.generate([TurnRequest([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8))])[0]
     first = g.token_ids[0]
-    s = eng.generate([TurnRequest([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(first,)))])[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=(first,))
+    s = eng.generate([TurnRequest([1, 2, 3], greedy)])[0]
     assert s.token_ids == [first] and s.finish_reason == "stop"
     assert g.finish_reason == "length" and len(g.token_ids) == 8
     logits = torch.tensor([0.0, 10.0, 9.9, -5.0])

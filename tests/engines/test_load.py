@@ -1,5 +1,5 @@
 """The engine opener (engines/load.py), the engine device (devices.engine_device) and a weight sync into an
-engine (engines/base.py apply_sync).
+engine (engines/weight_sync.py apply_sync).
 
 A machine with GPUs is faked where the device choice is what is checked: torch.cuda.device_count is
 what devices.cuda_count asks (through NVML, without initialising CUDA), so patching it is the whole of
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tsrl_cli.devices import engine_device
-from tsrl_cli.engines.base import apply_sync
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.load import engine_config, engine_dtype, engine_on_model, open_engine
 from tsrl_cli.engines.scripted import ScriptedEngine
+from tsrl_cli.engines.weight_sync import apply_sync
 from tsrl_cli.errors import UsageError
 from tsrl_cli.policy import build_tiny_model
 
@@ -122,7 +122,7 @@ def test_a_sync_that_misses_a_tensor_is_refused_until_a_complete_one(lora):
     """A sync that misses a trained tensor would serve two versions' weights under the new number: it
     raises naming the tensor, the version stays, turns are refused; the next complete sync is served.
     LoRA syncs carry the adapters alone (policy.trainable_state), and only those are required."""
-    from tsrl_cli.engines.base import SamplingParams, TurnRequest
+    from tsrl_cli.engines.protocol import SamplingParams, TurnRequest
     from tsrl_cli.policy import trainable_state, wrap_lora
 
     if lora:
@@ -139,7 +139,8 @@ def test_a_sync_that_misses_a_tensor_is_refused_until_a_complete_one(lora):
             if p.requires_grad:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(n)))
     sent = trainable_state(learner)
-    assert len(sent) < len(dict(learner.named_parameters())) if lora else len(sent) == len(dict(learner.named_parameters()))
+    n_params = len(dict(learner.named_parameters()))
+    assert len(sent) < n_params if lora else len(sent) == n_params
     names = sorted(sent)
     turn = [TurnRequest([1, 2, 3], SamplingParams(max_tokens=6, seed=7))]
     before = engine.generate(turn)[0]
@@ -157,3 +158,46 @@ def test_a_sync_that_misses_a_tensor_is_refused_until_a_complete_one(lora):
     reference = engine_on_model(learner).generate(turn)[0]  # the learner's own weights, served directly
     assert after.token_ids == reference.token_ids and after.logprobs == pytest.approx(reference.logprobs, abs=1e-12)
     assert after.logprobs != pytest.approx(before.logprobs, abs=1e-6)  # control: the sync changed what is served
+
+
+class CapturedVLLM:
+    """VLLMEngine's constructor, recording the CUDA_VISIBLE_DEVICES it would start under (vLLM reads it then)."""
+
+    seen: list = []
+
+    def __init__(self, model, dtype="auto", seed=0, **kwargs):
+        import os
+
+        CapturedVLLM.seen.append((os.environ.get("CUDA_VISIBLE_DEVICES"), kwargs.get("tensor_parallel_size")))
+
+
+@pytest.mark.parametrize("inherited,devices,expected", [
+    ("2,3,6,7", ("cuda:1", "cuda:2"), "3,6"),  # a scheduler's allocation: entries 1 and 2, not GPUs 1 and 2
+    ("GPU-aaaa,GPU-bbbb,GPU-cccc", ("cuda:2",), "GPU-cccc"),
+    ("MIG-aaaa,MIG-bbbb", ("cuda:1",), "MIG-bbbb"),
+    (None, ("cuda:1", "cuda:2"), "1,2"),  # unset: cuda:k is GPU k
+])
+def test_a_vllm_engine_on_gpus_sees_the_inherited_entries(monkeypatch, inherited, devices, expected):
+    import tsrl_cli.engines.load as opener
+
+    monkeypatch.setattr(opener, "VLLMEngine", CapturedVLLM)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after the test, as CUDA_VISIBLE_DEVICES
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", inherited or "")  # recorded, so the engine's value is undone after
+    if inherited is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    CapturedVLLM.seen = []
+    engine, device = open_engine("unused", "vllm", devices)
+    tp = len(devices) if len(devices) > 1 else None
+    assert CapturedVLLM.seen == [(expected, tp)] and device == "cuda:0"  # vLLM then sees them as cuda:0..
+
+
+def test_a_vllm_engine_beyond_the_inherited_list_is_refused_before_vllm_starts(monkeypatch):
+    import tsrl_cli.engines.load as opener
+
+    monkeypatch.setattr(opener, "VLLMEngine", CapturedVLLM)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    CapturedVLLM.seen = []
+    with pytest.raises(UsageError) as e:
+        open_engine("unused", "vllm", ("cuda:2",), key="devices.rollout")
+    assert str(e.value).startswith("devices.rollout: cuda:2 is entry 2") and "lists 2 (2,3)" in str(e.value)
+    assert CapturedVLLM.seen == [] and opener.os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"  # nothing changed

@@ -22,9 +22,9 @@ import torch
 from typer.testing import CliRunner
 
 from tsrl_cli.cli import app
-from tsrl_cli.engines.base import SamplingParams, TurnRequest, request_seed
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.openai import OpenAIEngine
+from tsrl_cli.engines.protocol import SamplingParams, TurnRequest, request_seed
 from tsrl_cli.engines.server import start_server
 from tsrl_cli.errors import OperationFailed
 from tsrl_cli.policy import build_tiny_model
@@ -288,7 +288,7 @@ def test_weight_sync_over_the_bus(servers, batching):
     assert client.weights_status()[0]["joined"] and srv.engine.version == 7
     assert_same(run_sessions(client, reqs), new)
     for outs in seen:
-        for o, a, b in zip(outs, old, new):
+        for o, a, b in zip(outs, old, new, strict=True):
             assert_same([o], [a if o.policy_version == 0 else b])
 
     # a header without weights (the learner had nothing newer) leaves the version alone

@@ -24,8 +24,8 @@ from tsrl_cli.cli import app
 from tsrl_cli.config import config_diff, dump_config, load_config
 from tsrl_cli.engines import auth
 from tsrl_cli.engines.api import ChatFormat
-from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest
 from tsrl_cli.engines.openai import OpenAIEngine, Unauthorized
+from tsrl_cli.engines.protocol import SamplingParams, TurnOutput, TurnRequest
 from tsrl_cli.engines.server import RolloutServer, start_server
 from tsrl_cli.errors import UsageError
 
@@ -204,7 +204,8 @@ def test_an_oversized_body_is_413_unread(spied):
     srv, eng, _ = spied
     pad = json.dumps({**COMPLETION, "pad": "x" * (1 << 20)}).encode()  # 1 MiB against a 64 KiB cap
     status, reply, _ = raw(srv.url, post_head("/v1/completions", len(pad)) + pad)
-    assert status == 413 and "cap of 65536" in reply["error"]["message"] and "--max-body-mb" in reply["error"]["message"]
+    assert status == 413
+    assert "cap of 65536" in reply["error"]["message"] and "--max-body-mb" in reply["error"]["message"]
     status, _, elapsed = raw(srv.url, post_head("/v1/completions", 10**12))  # declared, never sent: no wait
     assert status == 413 and elapsed < 5
     assert eng.calls == []

@@ -47,9 +47,10 @@ def policy(tmp_path_factory):
 
 
 def _requests():
-    from tsrl_cli.engines.base import SamplingParams, TurnRequest
+    from tsrl_cli.engines.protocol import SamplingParams, TurnRequest
 
-    return [TurnRequest([5, 6, 7 + i], SamplingParams(max_tokens=12, seed=20 + i, stop_token_ids=(2,))) for i in range(3)]
+    return [TurnRequest([5, 6, 7 + i], SamplingParams(max_tokens=12, seed=20 + i, stop_token_ids=(2,)))
+            for i in range(3)]
 
 
 def _generate(client, reqs):
@@ -61,8 +62,9 @@ def _generate(client, reqs):
 def _gap(model, reqs, outs) -> float:
     from tsrl_cli.policy import score_tokens
 
-    return max(abs(a - b) for r, o in zip(reqs, outs)
-               for a, b in zip(score_tokens(model, r.context_ids + o.token_ids, len(r.context_ids)), o.logprobs))
+    return max(abs(a - b) for r, o in zip(reqs, outs, strict=True)
+               for a, b in zip(score_tokens(model, r.context_ids + o.token_ids, len(r.context_ids)), o.logprobs,
+                               strict=True))
 
 
 def _ready_url(srv: subprocess.Popen) -> str:

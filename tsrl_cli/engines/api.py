@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest
+from tsrl_cli.engines.protocol import SamplingParams, TurnOutput, TurnRequest
 
 SEED_RANGE = (-(2**63), 2**63 - 1)  # vLLM's bound (a torch long)
 CHAT_ROLES = ("system", "user", "assistant")
@@ -233,7 +233,7 @@ def chat_reply(out: TurnOutput, prompt_ids: list[int], model_name: str, opts: di
     if opts["logprobs"]:
         pieces = [chat.decode([t]) for t in ids]
         choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-                                          for p, lp in zip(pieces, out.logprobs)]}
+                                          for p, lp in zip(pieces, out.logprobs, strict=False)]}
     n, prompt_len = len(ids), len(prompt_ids)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name, "choices": [choice],

@@ -13,7 +13,7 @@ turns (1,800 tokens) differed from its run alone, under static and continuous ba
 (results/LOG.md, 2026-12-06). `batch_invariant=True` removes even that: each request then runs
 alone (bitwise a pure function of weights, context, params and seed; slower).
 
-Continuous batching (engines/base.py SteppingEngine): `add` queues a turn; `step` prefills the turns
+Continuous batching (engines/protocol.py SteppingEngine): `add` queues a turn; `step` prefills the turns
 added since the last step in one left-padded forward, merges their key/value cache into the running
 batch (both left-padded to the longer length, with the attention mask marking real tokens and
 explicit position ids, so padding changes no value, only summation order), samples one token for
@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from tsrl_cli.engines.base import SamplingParams, TurnOutput, TurnRequest, sync_gap
+from tsrl_cli.engines.protocol import SamplingParams, TurnOutput, TurnRequest
+from tsrl_cli.engines.weight_sync import sync_gap
 
 
 def sample_token(logits_V: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
@@ -137,13 +138,14 @@ class HFEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int) -> None:
-        """Copy new weights in place (between rounds; one bus bucket at a time through engines/base.py
-        apply_sync, which calls finish_weights after the last); `version` becomes the policy version."""
+        """Copy new weights in place (between rounds; one bus bucket at a time through engines/weight_sync.py
+        apply_sync, which calls finish_weights after the last); `version` becomes the policy version. One copy
+        per tensor: copy_ casts and moves in the same pass (a bucket on the host into a GPU engine)."""
         params = dict(self.model.named_parameters())
         for name, t in dict(named_tensors).items():
             if name not in params:
                 raise KeyError(f"update_weights: unknown parameter {name!r}")
-            params[name].copy_(t.to(params[name].dtype))
+            params[name].copy_(t)
             self._received.add(name)
         self.version = version
 
@@ -156,7 +158,7 @@ class HFEngine:
         if self._refused:
             raise RuntimeError(f"HFEngine: {self._refused}")
 
-    # ---- continuous batching (engines/base.py SteppingEngine) -------------------------------------------
+    # ---- continuous batching (engines/protocol.py SteppingEngine) ---------------------------------------
     def add(self, rid: int, request: TurnRequest) -> None:
         """Admit one turn; it is prefilled and joins the running batch at the next step."""
         if not request.context_ids:

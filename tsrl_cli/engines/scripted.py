@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tsrl_cli.engines.base import TurnOutput, TurnRequest
+from tsrl_cli.engines.protocol import TurnOutput, TurnRequest
 
 
 class ScriptedEngine:

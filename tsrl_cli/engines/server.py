@@ -9,7 +9,7 @@
     POST /tsrl/weights/sync   take one sync from the bus; blocks until applied, then
                               {"version","start","end","bytes","published_at"} (time.time() seconds)
 
-Concurrent HTTP requests (one thread each) meet in one batcher (engines/base.py make_batcher;
+Concurrent HTTP requests (one thread each) meet in one batcher (engines/batching.py make_batcher;
 `batching` continuous by default: a turn joins the engine's running batch at its next step). When a
 sync's first bucket arrives it pauses the batcher, which admits nothing more and waits until every
 running turn has returned, and resumes it once the new version is set: a turn runs wholly on the old
@@ -22,7 +22,8 @@ Who may ask (engines/auth.py): with `api_key`, every endpoint but GET /health ne
 Bearer KEY` (401 otherwise, before the body is read); without one the server listens on loopback
 only, unless `insecure`. A body is read by its Content-Length, never beyond it and never beyond
 `max_body_bytes` (413); a body that stops arriving is dropped after `read_timeout_s` (408). Every
-reply closes its connection (HTTP/1.0), so unread bytes are never taken for a next request.
+reply closes its connection (HTTP/1.0), so unread bytes are never taken for a next request
+(engines/http_handler.py reads and answers the requests).
 
 Library use: `serve(engine, host, port, model_name)` blocks; `start_server(engine)` runs in a
 background thread and returns the server (`.url`, `.shutdown()`).
@@ -32,12 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
-import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from tsrl_cli.devices import engine_device
@@ -50,9 +49,12 @@ from tsrl_cli.engines.api import (
     parse_chat,
     parse_completion,
 )
-from tsrl_cli.engines.auth import MAX_BODY_MB, bearer_ok, check_api_key, check_listen, key_digest
-from tsrl_cli.engines.base import TurnOutput, TurnRequest, apply_sync, can_step, make_batcher
+from tsrl_cli.engines.auth import MAX_BODY_MB, check_api_key, check_listen, key_digest
+from tsrl_cli.engines.batching import make_batcher
+from tsrl_cli.engines.http_handler import RequestHandler
 from tsrl_cli.engines.load import ENGINE_DTYPES, ENGINES, open_engine
+from tsrl_cli.engines.protocol import TurnOutput, TurnRequest, can_step
+from tsrl_cli.engines.weight_sync import apply_sync
 from tsrl_cli.errors import UsageError
 
 # ---- the server ---------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class _Guarded:
 
 
 class _GuardedSteps(_Guarded):
-    """_Guarded for an engine that batches continuously (engines/base.py SteppingEngine)."""
+    """_Guarded for an engine that batches continuously (engines/protocol.py SteppingEngine)."""
 
     def add(self, rid: int, request: TurnRequest) -> None:
         self._check()
@@ -107,7 +109,7 @@ class RolloutServer:
         self.key_digest = key_digest(check_api_key(api_key, "--api-key")) if api_key else None
         self.max_body_bytes, self.read_timeout_s = max_body_bytes, read_timeout_s
         try:
-            self.httpd = ThreadingHTTPServer((host, port), _Handler)
+            self.httpd = ThreadingHTTPServer((host, port), RequestHandler)
         except OSError as e:
             raise UsageError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port") from None
         self.httpd.app = self
@@ -134,7 +136,7 @@ class RolloutServer:
         self.httpd.serve_forever(poll_interval=0.1)
 
     def shutdown(self) -> None:
-        """Stop accepting, answer in-flight completions with 503 (clients fail over), stop the engine thread."""
+        """Stop accepting, answer in-flight completions with 503 (clients fail over), stop the batcher's thread."""
         with self._state:
             if self._closed:
                 return
@@ -242,7 +244,8 @@ class RolloutServer:
         return {**self.join_status, "policy_version": self.engine.version, "weight_bus": self.join_fn is not None}
 
     def sync(self) -> dict:
-        """Take one sync from the bus (engines/base.py apply_sync), the batcher paused from its first bucket on."""
+        """Take one sync from the bus (engines/weight_sync.py apply_sync), the batcher paused from its first
+        bucket on."""
         if self._join_thread is None:
             raise ApiError(None, "not on a weight bus: POST /tsrl/weights/join first", status=409)
         self._join_thread.join()
@@ -268,119 +271,6 @@ class RolloutServer:
                     self.batcher.resume()
         return {"version": info["version"], "published_at": info.get("published_at"), "bytes": info["bytes"],
                 "start": start, "end": time.time()}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server_version = "tsrl-serve"
-    LINGER_S = 2.0  # after an error reply: how long the bytes the client still sends are read and dropped
-
-    def setup(self) -> None:
-        self.timeout = self.server.app.read_timeout_s  # every socket read: request line, headers, body
-        super().setup()
-
-    def log_message(self, format, *args) -> None:  # quiet: a line per request is noise
-        pass
-
-    def _send(self, status: int, obj, headers: tuple[tuple[str, str], ...] = ()) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _error(self, e: ApiError) -> None:
-        kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
-                409: "ConflictError", 411: "LengthRequiredError", 413: "RequestTooLargeError",
-                501: "NotImplementedError", 503: "ServiceUnavailableError"}.get(e.status, "InternalServerError")
-        self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status}},
-                   (("WWW-Authenticate", "Bearer"),) if e.status == 401 else ())
-
-    def _length(self) -> int | None:
-        """The body's length as Content-Length declares it (0 when absent); None when it declares none
-        that can be read: a chunked body, or a Content-Length that is not a byte count."""
-        raw = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or (raw is not None and not raw.strip().isdigit()):
-            return None
-        return int(raw or 0)
-
-    def _body(self):
-        """The request's JSON body: exactly Content-Length bytes (the handler checked them against the cap)."""
-        n, self._unread = self._unread, 0
-        raw = self.rfile.read(n) if n else b""  # never more than declared, whatever the client sends after
-        if len(raw) < n:
-            raise ApiError(None, f"request body: the connection ended after {len(raw)} of {n} declared bytes")
-        if not raw:
-            return {}
-        try:
-            return json.loads(raw)
-        except ValueError as e:
-            raise ApiError(None, f"request body: not valid JSON ({e})") from None
-
-    def _linger(self) -> None:
-        """After an error reply: end our side, then drop what the client still sends (at most about
-        LINGER_S), so that closing does not reset the connection before the client has read the reply."""
-        try:
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(self.LINGER_S)
-            end = time.monotonic() + self.LINGER_S
-            while time.monotonic() < end and self.rfile.read1(1 << 16):
-                pass
-        except OSError:  # reset, or the client sent nothing more within LINGER_S
-            pass
-
-    def _route(self, method: str) -> None:
-        app: RolloutServer = self.server.app
-        path = self.path.split("?", 1)[0].rstrip("/")
-        routes = {
-            ("GET", "/health"): lambda: app.health(),
-            ("GET", "/v1/models"): lambda: {"object": "list", "data": [
-                {"id": app.model_name, "object": "model", "created": 0, "owned_by": "tsrl"}]},
-            ("POST", "/v1/completions"): lambda: app.complete(self._body()),
-            ("POST", "/v1/chat/completions"): lambda: app.chat_complete(self._body()),
-            ("POST", "/tsrl/weights/join"): lambda: app.join(self._body()),
-            ("GET", "/tsrl/weights/status"): lambda: app.status(),
-            ("POST", "/tsrl/weights/sync"): lambda: app.sync(),
-        }
-        n = self._length()
-        self._unread = n or 0
-        try:
-            # the key first, unknown paths included: a request without it learns nothing and reads nothing
-            if app.key_digest is not None and (method, path) != ("GET", "/health") and \
-                    not bearer_ok(self.headers.get("Authorization"), app.key_digest):
-                raise ApiError(None, "missing or wrong API key: send `Authorization: Bearer KEY` with the key "
-                                     "this server was started with (--api-key or TSRL_API_KEY)", status=401)
-            if n is None:
-                raise ApiError(None, "request body: send it with a Content-Length (byte count); chunked bodies "
-                                     "are not read", status=411)
-            if n > app.max_body_bytes:
-                raise ApiError(None, f"request body: {n} bytes is over this server's cap of {app.max_body_bytes} "
-                                     "(tsrl serve --max-body-mb)", status=413)
-            if (method, path) not in routes:
-                raise ApiError(None, f"{method} {path}: no such endpoint", status=404)
-            self._send(200, routes[(method, path)]())
-        except ApiError as e:
-            self._reply_error(e)
-        except TimeoutError:  # the declared body stopped arriving
-            self._reply_error(ApiError(None, f"request body: nothing arrived for {app.read_timeout_s:g} s", 408))
-        except (BrokenPipeError, ConnectionResetError):  # the client went away
-            pass
-
-    def _reply_error(self, e: ApiError) -> None:
-        try:
-            self._error(e)
-            self._linger()
-        except OSError:  # the client went away
-            pass
-
-    def do_GET(self) -> None:
-        self._route("GET")
-
-    def do_POST(self) -> None:
-        self._route("POST")
 
 
 # ---- entry points -------------------------------------------------------------------------------
@@ -409,20 +299,21 @@ def serve(engine, host: str, port: int, model_name: str, ready_cb: Callable[[str
         srv.shutdown()
 
 
-def open_served_engine(model: str, engine: str = "hf", device: str = "cpu", dtype: str = "auto",
+def open_served_engine(model: str, kind: str = "hf", device: str = "cpu", dtype: str = "auto",
                        batch_invariant: bool = False):
-    """(engine, bus device) for `tsrl serve`: the policy in `model` (a save_pretrained folder) on `device`,
-    every option checked before anything loads; the engine itself from engines/load.py open_engine.
+    """(engine, bus device) for `tsrl serve`: the policy in `model` (a save_pretrained folder) in a `kind`
+    engine (hf, vllm) on `device`, every option checked before anything loads; the engine itself from
+    engines/load.py open_engine.
 
     dtype auto: the hf engine loads bfloat16 on CUDA and float32 on CPU; vLLM reads the model's config.
     The bus device is where weight-bus buckets land (cuda:N lets an hf server join an NCCL bus).
     """
-    if engine not in ENGINES:
-        raise UsageError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if kind not in ENGINES:
+        raise UsageError(f"--engine {kind!r}: use one of {', '.join(ENGINES)}")
     if dtype not in ENGINE_DTYPES:
         raise UsageError(f"--dtype {dtype!r}: use one of {', '.join(ENGINE_DTYPES)}")
     dev = engine_device(device, "--device")
     if not (Path(model) / "config.json").is_file():
         raise UsageError(f"--model {model}: not a model directory (no config.json); pass a folder written by "
                          "save_pretrained (model + tokenizer)")
-    return open_engine(model, engine, (dev,), dtype, batch_invariant=batch_invariant)
+    return open_engine(model, kind, (dev,), dtype, batch_invariant=batch_invariant)

