@@ -109,7 +109,8 @@ def _write_run(d, schedule):
                     "loss_tokens": 10},
                    {"round": rnd, "event": "item", "id": "b", "finished_at_s": 3.0, "learner_cost_s": None,
                     "loss_tokens": 5},
-                   {"round": rnd, "event": "batch_backward", "start_s": 3.0, "end_s": 6.0, "items": 2, "loss_tokens": 15}]
+                   {"round": rnd, "event": "batch_backward", "start_s": 3.0, "end_s": 6.0, "items": 2,
+                    "loss_tokens": 15}]
             t = 6.0
         ev += [{"round": rnd, "event": "step", "start_s": t, "end_s": t + 0.5},
                {"round": rnd, "event": "weight_sync", "start_s": t + 0.5, "end_s": t + 0.75},
@@ -352,8 +353,42 @@ def test_the_one_learner_drain_is_the_general_one_step_for_step():
         trajs = [None] if rng.random() < 0.3 else [f"t{i}" for i in range(rng.randint(1, 6))]
         jobs = [(rng.choice([rng.uniform(0, 5), float(rng.randint(0, 4))]), rng.uniform(1e-3, 0.5), rng.choice(trajs))
                 for _ in range(rng.randint(0, 30))]
-        slow, per, coalesce = rng.choice([0.0, rng.random()]), rng.choice([0.0, 0.01 * rng.random()]), rng.random() < 0.7
+        slow, per = rng.choice([0.0, rng.random()]), rng.choice([0.0, 0.01 * rng.random()])
+        coalesce = rng.random() < 0.7
         ca, cb = [], []
         assert (_drain_one(jobs, slow, per, coalesce, ca), ca) == (_drain_many(jobs, 1, slow, per, coalesce, cb), cb)
         differs += _drain_one(jobs, slow, per, True) != _drain_many(jobs, 1, slow, per, False)
     assert differs > 100
+
+
+# ---- granularity: per trajectory or per group; the within-group arrival correlation ---------------------
+def test_group_granularity_waits_for_each_groups_last_arrival():
+    # two groups; g1's members arrive at 1 and 5, g2's at 2 and 3; each backward costs 1 s, one learner
+    items = [Item(1.0, 1.0, group="g1"), Item(2.0, 1.0, group="g2"), Item(3.0, 1.0, group="g2"),
+             Item(5.0, 1.0, group="g1")]
+    r = predict_round(items)
+    assert r["stream_s"] == pytest.approx(6.0)  # per trajectory: 1-2, 2-3, 3-4, 5-6
+    # per group: g2 released at 3 (3-4, 4-5), g1 released at 5 (5-6, 6-7)
+    assert r["stream_group_s"] == pytest.approx(7.0)
+    assert r["speedup_group"] == pytest.approx(r["sync_s"] / 7.0)
+    assert predict_round([Item(1.0, 1.0), Item(2.0, 1.0)])["stream_group_s"] is None  # no groups: not predicted
+
+
+def test_arrival_icc_by_hand():
+    from tsrl_cli.predict import arrival_icc
+
+    # two groups of two: means 1 and 5 (grand 3), each spread +-1: MSB = 2 * 2 * 4 / 1 = 16, MSW = 4 / 2 = 2
+    # ICC = (16 - 2) / (16 + (2 - 1) * 2) = 14 / 18
+    items = [Item(0.0, 1.0, group="a"), Item(2.0, 1.0, group="a"), Item(4.0, 1.0, group="b"), Item(6.0, 1.0, group="b")]
+    assert arrival_icc(items) == pytest.approx(14 / 18)
+    together = [Item(t, 1.0, group=g) for g, t in (("a", 1.0), ("a", 1.0), ("b", 5.0), ("b", 5.0))]
+    assert arrival_icc(together) == pytest.approx(1.0)  # a group's members arrive at once
+    assert arrival_icc(items[:2]) is None  # one group: nothing to correlate
+
+
+def test_minimal_trace_with_groups_reports_both_granularities(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_text("finished_at_s,learner_cost_s,group_id\n1,1,g1\n2,1,g2\n3,1,g2\n5,1,g1\n")
+    doc = predict_trace(load_trace(p), warmup=0)
+    assert doc["stream_s"] == pytest.approx(6.0) and doc["stream_group_s"] == pytest.approx(7.0)
+    assert doc["arrival_icc"] is not None and doc["speedup_group"] < doc["speedup"]

@@ -53,7 +53,7 @@ def compare_csv(ref: Path, got: Path, columns: dict[str, str] | None = None) -> 
     if len(a) != len(b):
         return [f"{got.name}: {len(b)} rows, the reference has {len(a)}"], 0
     bad, n = [], 0
-    for i, (ra, rb) in enumerate(zip(a, b)):
+    for i, (ra, rb) in enumerate(zip(a, b, strict=True)):
         for k, va in ra.items():
             kb = columns.get(k, k)
             if kb not in rb:

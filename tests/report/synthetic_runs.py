@@ -19,8 +19,9 @@ def _round(rng, sigma, items, cost_s, schedule, rnd):
     arrivals = sorted(math.exp(sigma * rng.gauss(0, 1)) for _ in range(items))
     tokens = [rng.randint(50, 150) for _ in range(items)]
     ev, t = [], 0.0
-    for k, (a, tok) in enumerate(zip(arrivals, tokens)):
-        row = {"round": rnd, "event": "item", "id": f"r{rnd}-{k}", "group_id": f"g{rnd}", "sample_index": k, "turn": None,
+    for k, (a, tok) in enumerate(zip(arrivals, tokens, strict=True)):
+        row = {"round": rnd, "event": "item", "id": f"r{rnd}-{k}", "group_id": f"g{rnd}", "sample_index": k,
+               "turn": None,
                "finished_at_s": a, "tokens": 2 * tok, "loss_tokens": tok, "staleness": 0, "reward": 1.0,
                "backward_start_s": None, "backward_end_s": None, "learner_cost_s": None}
         if schedule == "stream":
@@ -60,7 +61,8 @@ def make_run(d, experiment, schedule, seed, sigma, rounds=8, items=6, cost_s=0.3
         metrics.append({
             "round": rnd, "schedule": schedule, "objective": "grpo", "seed": seed, "policy_version": rnd - 1,
             "step_time_s": step_time, "rollout_makespan_s": makespan, "learner_busy_s": busy,
-            "learner_idle_frac": 1 - busy / step_time, "last_arrival_to_step_s": step_time / OVERHEAD - makespan - SYNC_S,
+            "learner_idle_frac": 1 - busy / step_time,
+            "last_arrival_to_step_s": step_time / OVERHEAD - makespan - SYNC_S,
             "optimizer_step_s": STEP_S, "weight_sync_s": SYNC_S, "staleness_mean": 0.0, "staleness_max": 0,
             "peak_mem_rollout_bytes": 2_000_000_000, "peak_mem_learner_bytes":
                 3_000_000_000 + (150_000_000 if schedule == "stream" else 0) + seed * 1000,

@@ -120,7 +120,7 @@ def test_sync_of_the_older_format_derives_what_it_sampled(audit):
     assert r["rollout_wait_s_mean"] == pytest.approx(2.0 + 0.5 - 1.0)  # round 2 starts at 2.0, its rollout 0.5 later
     tasks = audit[1]
     got = tasks[(tasks["experiment"] == "audit") & (tasks["schedule"] == "sync")]
-    assert dict(zip(got["task"], got["sampled"])) == {"t/a": 6, "t/b": 2}
+    assert dict(zip(got["task"], got["sampled"], strict=True)) == {"t/a": 6, "t/b": 2}
 
 
 def test_async_staleness_and_cuts(audit):
@@ -146,7 +146,7 @@ def test_cut_trajectories_are_counted(audit):
     assert r["turns_sampled_mean"] == pytest.approx(12 / 6) and r["turns_trained_mean"] == pytest.approx(5 / 3)
     tasks = audit[1]
     got = tasks[(tasks["experiment"] == "audit") & (tasks["schedule"] == "stream")]
-    assert dict(zip(got["task"], got["trained_pct"])) == {"t/a": 25.0, "t/b": 100.0}  # t/a: 1 of 4
+    assert dict(zip(got["task"], got["trained_pct"], strict=True)) == {"t/a": 25.0, "t/b": 100.0}  # t/a: 1 of 4
     assert r["task_trained_pct_min"] == 25.0
     assert (r["deferred"], r["max_open_groups"]) == (1, 1)
     assert r["cut_short_trained_pct"] == pytest.approx(100 / 3)  # t/b/0 ended at wall_clock
@@ -182,13 +182,14 @@ def test_figure_rows(audit):
     stream = bins[(bins["schedule"] == "stream") & (bins["quantity"] == "turns")]
     assert set(stream["set"]) == {"sampled", "trained"}
     stale = bins[(bins["schedule"] == "async") & (bins["quantity"] == "staleness")]
-    assert dict(zip(stale["low"], stale["share"])) == pytest.approx({0: 2 / 6, 1: 4 / 6})
+    assert dict(zip(stale["low"], stale["share"], strict=True)) == pytest.approx({0: 2 / 6, 1: 4 / 6})
     tokens = bins[bins["quantity"] == "tokens"]
-    assert len({(a, b) for a, b in zip(tokens["low"], tokens["high"])}) == bias.TOKEN_BINS
+    assert len({(a, b) for a, b in zip(tokens["low"], tokens["high"], strict=True)}) == bias.TOKEN_BINS
     mean = fig[(fig["kind"] == "mean") & (fig["schedule"] == "async") & (fig["quantity"] == "tokens")]
-    assert dict(zip(mean["set"], mean["value"])) == pytest.approx({"sampled": 800 / 6, "trained": 800 / 6})
+    assert dict(zip(mean["set"], mean["value"], strict=True)) == pytest.approx({"sampled": 800 / 6, "trained": 800 / 6})
 
 
+@pytest.mark.slow
 def test_report_writes_the_table_and_figure(tree, tmp_path):
     doc = build(tree, tmp_path / "r")
     out = tmp_path / "r"

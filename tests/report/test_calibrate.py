@@ -33,7 +33,9 @@ def stepped_drain(items, learners, slowdown, per_backward, coalesce):
         for j in range(learners):
             if left[j] <= 1e-12 and queue:
                 head = queue.pop(0)
-                taken = [head] + ([i for i in queue if i.trajectory == head.trajectory] if coalesce and head.trajectory else [])
+                taken = [head]
+                if coalesce and head.trajectory:
+                    taken += [i for i in queue if i.trajectory == head.trajectory]
                 queue = [i for i in queue if i not in taken]
                 left[j] = max(i.learner_cost_s for i in taken) + per_backward
         busy = any(x > 1e-12 for x in left)
@@ -96,12 +98,13 @@ def make_pair(root: Path, exp: str, seed: int, sigma: float, rounds: int = 8, op
         batch_pos = 5 * 400 if opd else n * max(toks)  # the padded batch: rows x the longest
         batch_s = 0.0009 * batch_pos / 10
         step, sync = 0.004, 0.003
-        items = [Item(a, batch_s * t / batch_pos, None, t, tr) for a, t, tr in zip(arr, toks, traj)]
-        priced = [Item(i.finished_at_s, TRUE.cost_scale * i.learner_cost_s, None, i.positions, i.trajectory) for i in items]
+        items = [Item(a, batch_s * t / batch_pos, None, t, tr) for a, t, tr in zip(arr, toks, traj, strict=True)]
+        priced = [Item(i.finished_at_s, TRUE.cost_scale * i.learner_cost_s, None, i.positions, i.trajectory)
+                  for i in items]
         stream_s = stepped_drain(priced, 1, TRUE.rollout_slowdown, TRUE.per_backward_s, True) + step + sync
         last = max(arr)
         ev = runs["sync"][0]
-        for a, t, tr in zip(arr, toks, traj):
+        for a, t, tr in zip(arr, toks, traj, strict=True):
             row = {"round": k, "event": "item", "finished_at_s": a, "tokens": t, "loss_tokens": t}
             if opd:
                 g, s = tr.split("/")
@@ -114,7 +117,7 @@ def make_pair(root: Path, exp: str, seed: int, sigma: float, rounds: int = 8, op
                {"round": k, "event": "round_end", "at_s": last + batch_s + step + sync, "learners": 1}]
         runs["sync"][1].append({"round": k, "schedule": "sync", "step_time_s": last + batch_s + step + sync})
         runs["stream"][0].extend([{"round": k, "event": "item", "finished_at_s": a, "tokens": t, "learner_cost_s": 0.01}
-                                  for a, t in zip(arr, toks)])
+                                  for a, t in zip(arr, toks, strict=True)])
         runs["stream"][1].append({"round": k, "schedule": "stream", "step_time_s": stream_s})
     for sched, (ev, met) in runs.items():
         d = root / exp / sched / f"seed{seed}"
@@ -179,7 +182,8 @@ def test_calibrate_and_predict_end_to_end(tree, tmp_path):
                             "--warmup", "2", "--json"])
     assert r.exit_code == 0, r.output
     pred = json.loads(r.output)
-    measured = [json.loads(x)["step_time_s"] for x in (tree / "grpo_s0.5" / "stream" / "seed43" / "metrics.jsonl").open()]
+    metrics = tree / "grpo_s0.5" / "stream" / "seed43" / "metrics.jsonl"
+    measured = [json.loads(x)["step_time_s"] for x in metrics.open()]
     assert pred["stream_s"] == pytest.approx(sum(measured[2:]) / 6, rel=0.01)
     assert pred["calibration"]["rollout_slowdown"] == pytest.approx(TRUE.rollout_slowdown, abs=0.1)
 
@@ -189,8 +193,10 @@ def test_bad_input_is_one_line_and_exit_2(tree, tmp_path):
     good = tmp_path / "c"
     calibrate([tree], good, warmup=2, heldout_by=None)
     cases = [
-        (["predict", "--trace", str(stream_run), "--calibration", str(good / "calibration.json")], "recorded under stream"),
-        (["predict", "--trace", str(tree / "grpo_s0.0" / "sync" / "seed42"), "--calibration", str(tmp_path / "no.json")],
+        (["predict", "--trace", str(stream_run), "--calibration", str(good / "calibration.json")],
+         "recorded under stream"),
+        (["predict", "--trace", str(tree / "grpo_s0.0" / "sync" / "seed42"),
+          "--calibration", str(tmp_path / "no.json")],
          "not found"),
         (["calibrate", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")], "not a folder"),
         (["calibrate", str(tree / "grpo_s0.0" / "sync"), "--out", str(tmp_path / "o")], "no paired"),

@@ -69,7 +69,7 @@ def parse_table(text: str) -> list[dict]:
         cells = _cells(line)
         if len(cells) != len(COLUMNS):
             raise AssertionError(f"{len(cells)} cells instead of {len(COLUMNS)}: {line[:120]}")
-        rows.append(dict(zip(COLUMNS, cells)))
+        rows.append(dict(zip(COLUMNS, cells, strict=True)))
     return rows
 
 
@@ -301,7 +301,8 @@ def test_control_bad_sources_verdicts_and_pending_are_caught():
 
 def test_control_a_log_number_from_another_line_is_caught():
     """Both numbers are in the LOG entry, on two rows of one table: quoted as one part, the check refuses them."""
-    section = SECTIONS["2026-12-02: the learner side of an 8-GPU node: a sharded learner group, micro-batched streaming"]
+    section = SECTIONS[
+        "2026-12-02: the learner side of an 8-GPU node: a sharded learner group, micro-batched streaming"]
     assert unmatched_in_log("seed 0: 1.785x, learner compute stream/sync 0.998", section) == []
     assert unmatched_in_log("seed 0: 1.785x, learner compute stream/sync 1.001", section) != []
     assert log_lines("a wrapped\nparagraph 1.5\n\n- item 2\n  goes on 3\n| 4 | 5 |\n") == \

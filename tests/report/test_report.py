@@ -40,7 +40,7 @@ def test_step_time_numbers_match_hand_aggregation(built, results_tree):
 
     for exp in ("spread_low", "spread_high"):
         stream = [seed_mean(exp, "stream", s) for s in (42, 43, 44)]
-        speed = [seed_mean(exp, "sync", s) / t for s, t in zip((42, 43, 44), stream)]
+        speed = [seed_mean(exp, "sync", s) / t for s, t in zip((42, 43, 44), stream, strict=True)]
         r = rows[(exp, "stream")]
         assert float(r["step_time_s_mean"]) == pytest.approx(statistics.fmean(stream))
         assert float(r["step_time_s_std"]) == pytest.approx(statistics.stdev(stream))
@@ -71,6 +71,7 @@ def test_report_md_puts_ours_beside_the_paper(built):
     assert [float(r["spread"]) for r in spread] == [0.2, 1.0]
 
 
+@pytest.mark.slow
 def test_include_partial_counts_unfinished_runs(results_tree, tmp_path):
     res = runner.invoke(app, ["report", str(results_tree), "--out", str(tmp_path), "--include-partial", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout)["runs"] == 13
@@ -153,7 +154,8 @@ def test_paired_speedup_rows_by_hand():
     from tsrl_cli.report.tables import paired_speedup_rows
 
     base = {"experiment": "e", "seed": 42, "round": 5}
-    pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0, "predicted_speedup": 10 / 6},
+    pred = [{**base, "schedule": "sync", "measured_s": 10.0, "sync_s": 10.0, "stream_s": 6.0,
+             "predicted_speedup": 10 / 6},
             {**base, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0, "predicted_speedup": 1.5},
             {**base, "round": 6, "schedule": "stream", "measured_s": 5.5, "sync_s": 7.5, "stream_s": 5.0,
              "predicted_speedup": 1.5}]  # no sync partner in round 6: no row

@@ -1,4 +1,5 @@
-"""`tsrl --help` loads neither matplotlib nor the report code; the event model is pure python; the report is pandas, no torch."""
+"""`tsrl --help` loads neither matplotlib nor the report code; the event model is pure python; the report is
+pandas, no torch."""
 
 import subprocess
 import sys
@@ -14,7 +15,8 @@ def test_cli_help_does_not_load_report_or_matplotlib():
     code = ("import sys\nfrom typer.testing import CliRunner\nfrom tsrl_cli.cli import app\n"
             "for a in (['--help'], ['report', '--help'], ['predict', '--help']):\n"
             "    assert CliRunner().invoke(app, a).exit_code == 0\n"
-            "print(sorted(m for m in ('matplotlib', 'pandas', 'torch', 'tsrl_cli.report.build', 'tsrl_cli.predict') if m in sys.modules))")
+            "print(sorted(m for m in ('matplotlib', 'pandas', 'torch', 'tsrl_cli.report.build', 'tsrl_cli.predict')\n"
+            "             if m in sys.modules))")
     assert _run(code) == "[]"
 
 

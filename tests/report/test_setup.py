@@ -37,7 +37,8 @@ def test_devices_held(config, kind, n):
 def test_label_names_devices_model_and_tasks():
     assert run_setup(cfg(rollout=0, learner="1-3")).label == \
         "4 cuda devices (rollout 0, learner 1-3); model builtin:toy; tasks builtin:echo, x"
-    assert run_setup({}).label == "devices unknown (no devices in config.yaml); model unknown model; tasks unknown tasks"
+    assert run_setup({}).label == ("devices unknown (no devices in config.yaml); model unknown model; "
+                                   "tasks unknown tasks")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_gpu_runs_count_gpu_hours_from_their_devices(mixed):
         target = float(r["target_reward"])
         walls = []
         for seed in (1, 2):  # the first round whose 5-round rolling reward reaches the target, by hand
-            ms = [json.loads(x) for x in (root / "g" / sched / f"seed{seed}" / "metrics.jsonl").read_text().splitlines()]
+            metrics = root / "g" / sched / f"seed{seed}" / "metrics.jsonl"
+            ms = [json.loads(x) for x in metrics.read_text().splitlines()]
             hit = next(m for i, m in enumerate(ms) if i >= 4 and statistics.fmean(
                 x["reward_mean"] for x in ms[i - 4:i + 1]) >= target - 1e-12)
             walls.append(hit["wall_s"])

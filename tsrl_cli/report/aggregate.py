@@ -32,7 +32,8 @@ def per_seed(rounds: pd.DataFrame, key: str, warmup: int = WARMUP_ROUNDS, last_r
     return g.agg(value=how, n_rounds="count").reset_index()
 
 
-def over_seeds(values: pd.DataFrame, col: str = "value", by: list[str] = CELL, prefix: str | None = None) -> pd.DataFrame:
+def over_seeds(values: pd.DataFrame, col: str = "value", by: list[str] = CELL,
+               prefix: str | None = None) -> pd.DataFrame:
     """The second stage, one row per group of `by`: mean, sample std (n-1) and the 95 % t-interval of
     the mean over the group's seeds (NaN values dropped; std and interval NaN with one seed), n_seeds.
     Columns are named `<prefix>_mean` ... `<prefix>_n_seeds` when a prefix is given."""

@@ -50,7 +50,8 @@ def task_of(group_id: str) -> str:
 # ---------------------------------------------------------------------------- one run
 
 
-def run_audit(run: Run, metrics: dict[int, dict], last_round: int = LAST_ROUND) -> tuple[list[dict], list[dict], list[float]]:
+def run_audit(run: Run, metrics: dict[int, dict],
+              last_round: int = LAST_ROUND) -> tuple[list[dict], list[dict], list[float]]:
     """One run's learner trajectories (one dict each), its rounds (the sampled tally beside the learner's
     count) and its items' waits from arrival to backward (seconds, rounds that stepped)."""
     by: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -123,7 +124,8 @@ def _round(k: int, ev: dict, m: dict, mine: list[dict], stepped: bool) -> dict:
                    tasks=dict(s["tasks"]) if isinstance(s.get("tasks"), dict) else None)
         return out
     sn, st, tm = _num(m.get("trajectories")), _num(m.get("tokens")), _num(m.get("turns_mean"))
-    out.update(source="tally", sampled_n=sn, sampled_tokens=st, sampled_turns=tm * sn if tm is not None and sn else None)
+    out.update(source="tally", sampled_n=sn, sampled_tokens=st,
+               sampled_turns=tm * sn if tm is not None and sn else None)
     # the learner's rows stand for the sampled set when they account for the tally: the same count, tokens, turns
     same = (sn is not None and n == sn and n > 0 and learner_tokens is not None and st is not None
             and math.isclose(learner_tokens, st, rel_tol=1e-9)
@@ -142,7 +144,8 @@ def _rollout_waits(rounds: list[dict], by: dict) -> None:
     for r in rounds:
         k = r["round"]
         ev = by.get(k, {})
-        ro, end = ev.get("rollout", [{}])[0] if ev.get("rollout") else {}, ev.get("round_end", [{}])[0] if ev.get("round_end") else {}
+        ro = ev.get("rollout", [{}])[0] if ev.get("rollout") else {}
+        end = ev.get("round_end", [{}])[0] if ev.get("round_end") else {}
         a, b = _num(ro.get("start_s")), _num(ro.get("end_s"))
         prev = ends.get(k - 1)
         r["held_s"] = start + a - prev if a is not None and prev is not None and start is not None else None
@@ -205,7 +208,8 @@ def _cell(runs: list[Run], trajs: list[dict], rounds: list[dict], waits: list[fl
         per_task += [{"task": k, "sampled": 0, "trained": v, "trained_pct": None}  # trained, never sampled: a defect
                      for k, v in sorted(t_task.items()) if k not in s_task]
     out["tasks"] = len(per_task) or None
-    out["task_trained_pct_min"] = min((p["trained_pct"] for p in per_task if p["trained_pct"] is not None), default=None)
+    out["task_trained_pct_min"] = min((p["trained_pct"] for p in per_task if p["trained_pct"] is not None),
+                                      default=None)
     # staleness of what was trained
     stale = _all([t["staleness"] for t in trained])
     out["staleness_mean"] = sum(stale) / n_tr if stale else None
@@ -275,7 +279,9 @@ def bias_table(res: Results, last_round: int = LAST_ROUND) -> tuple[Table, pd.Da
                f"{arrow(r, 'tokens_sampled_p90', 'tokens_trained_p90')})"
 
     def task_col(r):
-        return NOT_RECORDED if r["tasks"] is None else f"{fmt(r['tasks'])} tasks, least {fmt(r['task_trained_pct_min'], 4)} %"
+        if r["tasks"] is None:
+            return NOT_RECORDED
+        return f"{fmt(r['tasks'])} tasks, least {fmt(r['task_trained_pct_min'], 4)} %"
 
     def cut(r):
         return NOT_RECORDED if r["cut_short_by"] is None else r["cut_short_by"] + (
@@ -305,7 +311,8 @@ def bias_table(res: Results, last_round: int = LAST_ROUND) -> tuple[Table, pd.Da
             "Trained: the learner's trajectories in rounds with an optimizer step. Staleness: learner version "
             "minus generating version, as a share of trained trajectories. Cut short: ended by max_turns, "
             "token_limit or wall_clock (still trained on, truncated). Deferred: trained trajectories whose group "
-            "loss.max_open_groups held back (stream: its backwards waited for its close or a free buffer). Wait: an item's arrival at the learner to its "
+            "loss.max_open_groups held back (stream: its backwards waited for its close or a free buffer). "
+            "Wait: an item's arrival at the learner to its "
             "backward. Rollout wait: end of one round's generation to the start of the next (on-policy: the "
             "previous round's weights; async: the version its bound allows). docs/reports.md, 'What each "
             "schedule trains on'; every column in tables/trained_vs_sampled.csv, per task in "

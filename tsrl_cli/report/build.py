@@ -135,7 +135,8 @@ def build_report(opts: ReportOptions, progress: Callable[[str], None] = lambda m
         _figure(out / "figures", name, frame, draw, n_axes)
         written["figures"].append(str(out / "figures" / f"{name}.png"))
         caption = f"{name}: {gantt_what}" if name == "gantt_round" else name
-        fig_md.append(f"![{caption}](figures/{name}.png)  \n*{caption}* · data: [figures/{name}.csv](figures/{name}.csv)")
+        fig_md.append(f"![{caption}](figures/{name}.png)  \n*{caption}* · data: "
+                      f"[figures/{name}.csv](figures/{name}.csv)")
         if name == "speedup_vs_spread" and why:
             notes.append(why)
 
@@ -195,14 +196,16 @@ def _ours(t: dict[str, Table], spread: list[dict], res: Results) -> dict[str, st
     sync, stream = _rows(t["step_time"], "sync"), _rows(t["step_time"], "stream")
     both = [e for e in sync if e in stream]
     o = {}
-    o["idle"] = "; ".join(f"{e}: {pm(r, 'learner_idle_frac', 100)} %" for e, r in _rows(t["learner_idle"], "sync").items()
+    o["idle"] = "; ".join(f"{e}: {pm(r, 'learner_idle_frac', 100)} %"
+                          for e, r in _rows(t["learner_idle"], "sync").items()
                           if r["learner_idle_frac_mean"] is not None)
     def idle(r):  # percent, or '–'
         return f(100 * r["learner_idle_frac_mean"]) if r["learner_idle_frac_mean"] is not None else "–"
 
     o["step"] = "; ".join(f"{e}: {f(sync[e]['step_time_s_mean'])} s -> {f(stream[e]['step_time_s_mean'])} s "
                           f"({pm(stream[e], 'speedup')}x over the {stream[e]['sync_baseline']}, learner idle "
-                          f"{idle(sync[e])} % -> {idle(stream[e])} %)" for e in both if stream[e]["speedup_mean"] is not None)
+                          f"{idle(sync[e])} % -> {idle(stream[e])} %)"
+                          for e in both if stream[e]["speedup_mean"] is not None)
     for obj in ("grpo", "opd"):
         pts = [r for r in spread if r["objective"] == obj and r["schedule"] == "stream" and r["speedup_mean"]]
         if pts:
@@ -252,7 +255,8 @@ def _budget_claim(tb: Table) -> str:
         if vs:
             budget = f(s["budget_device_s"] / 3600) if s["budget_device_s"] else "–"
             parts.append(f"{s['budget_group']}: stream {f(s['reward_mean'])} vs " + ", ".join(
-                f"{r['arm']} {f(r['reward_mean'])} ({r['gap_points_mean']:+.3g} percentage points of reward)" for r in vs)
+                f"{r['arm']} {f(r['reward_mean'])} ({r['gap_points_mean']:+.3g} percentage points of reward)"
+                for r in vs)
                 + f" at {budget} device-hours ({s['device_kind']})")
     return "; ".join(parts)
 

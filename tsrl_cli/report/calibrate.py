@@ -107,7 +107,7 @@ def fit(rows: list[PairedRound], start: Calibration = Calibration(), max_evals: 
     keys = list(BOUNDS)
 
     def clip(x: list[float]) -> list[float]:
-        return [min(BOUNDS[k][1], max(BOUNDS[k][0], v)) for k, v in zip(keys, x)]
+        return [min(BOUNDS[k][1], max(BOUNDS[k][0], v)) for k, v in zip(keys, x, strict=True)]
 
     def err(x: list[float]) -> float:
         return mean_abs_error(rows, Calibration(*x))
@@ -139,8 +139,8 @@ def _nelder_mead(f, clip, x0: list[float], steps: list[float], budget: int) -> t
             break
         centroid = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
 
-        def toward(t: float) -> list[float]:
-            return clip([c + t * (w - c) for c, w in zip(centroid, simplex[-1])])
+        def toward(t: float, centroid: list[float] = centroid, worst: list[float] = simplex[-1]) -> list[float]:
+            return clip([c + t * (w - c) for c, w in zip(centroid, worst, strict=True)])
 
         xr = toward(-1.0)
         fr = f(xr)
@@ -159,7 +159,8 @@ def _nelder_mead(f, clip, x0: list[float], steps: list[float], budget: int) -> t
             if fc < vals[-1]:
                 simplex[-1], vals[-1] = xc, fc
             else:  # shrink toward the best point
-                simplex = [simplex[0]] + [clip([b + 0.5 * (v - b) for b, v in zip(simplex[0], x)]) for x in simplex[1:]]
+                simplex = [simplex[0]] + [clip([b + 0.5 * (v - b) for b, v in zip(simplex[0], x, strict=True)])
+                                          for x in simplex[1:]]
                 vals = [vals[0]] + [f(x) for x in simplex[1:]]
                 used += n
     i = min(range(n + 1), key=vals.__getitem__)
@@ -200,7 +201,8 @@ def summary(rows: list[dict]) -> dict:
         rs = [r for r in rows if obj in ("all", r["objective"])]
         errs = sorted(abs(r["error_pct"]) for r in rs)
         out[obj] = {"rows": len(rs), "mean_abs_error_pct": statistics.fmean(errs),
-                    "median_abs_error_pct": statistics.median(errs), "p90_abs_error_pct": errs[int(0.9 * (len(errs) - 1))],
+                    "median_abs_error_pct": statistics.median(errs),
+                    "p90_abs_error_pct": errs[int(0.9 * (len(errs) - 1))],
                     "mean_error_pct": statistics.fmean(r["error_pct"] for r in rs),
                     "identity_mean_abs_error_pct": statistics.fmean(abs(r["identity_error_pct"]) for r in rs)}
     return out

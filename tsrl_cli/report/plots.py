@@ -39,7 +39,7 @@ def speedup_vs_spread(rows: list[dict], ax) -> None:
                     mfc="white" if per_item else color, label=f"{name} (measured)")
         pred = [(r["spread"], r["predicted_speedup"]) for r in rs if r.get("predicted_speedup") is not None]
         if pred:
-            ax.plot(*zip(*pred), ls="--", marker="x", color=color, alpha=0.7, label=f"{name} (model)")
+            ax.plot(*zip(*pred, strict=False), ls="--", marker="x", color=color, alpha=0.7, label=f"{name} (model)")
     xs = [r["spread"] for r in rows]
     for obj in dict.fromkeys(r["objective"] for r in rows if r["objective"] in PAPER_SPREAD):
         lo, hi = PAPER_SPREAD[obj]
@@ -74,7 +74,7 @@ def predicted_vs_measured(rows: list[dict], ax) -> None:
 
 def gantt(rows: list[dict], axes) -> None:
     """One panel per schedule: learner lane on top (idle gaps hatched), one arrival bar per item."""
-    for ax, sched in zip(axes, ("sync", "stream")):
+    for ax, sched in zip(axes, ("sync", "stream"), strict=False):
         rs = [r for r in rows if r["schedule"] == sched]
         lanes = list(dict.fromkeys(["learner"] + [r["lane"] for r in rs]))
         for r in rs:
@@ -102,7 +102,7 @@ def reward_curves(rows: list[dict], ax) -> None:
         m = [r["mean"] for r in rs]
         sd = [r["std"] or 0.0 for r in rs]
         line, = ax.plot(x, m, label=f"{exp} · {sched}", lw=1)
-        ax.fill_between(x, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)],
+        ax.fill_between(x, [a - b for a, b in zip(m, sd, strict=False)], [a + b for a, b in zip(m, sd, strict=False)],
                         color=line.get_color(), alpha=0.2)
     ax.set_xlabel("round")
     ax.set_ylabel(rows[0]["reward_key"] if rows else "reward")
@@ -176,9 +176,9 @@ def trained_vs_sampled(rows: list[dict], axes) -> None:
     value); trained filled in the schedule's colour, sampled as a black outline (absent where the runs did
     not record its distribution), the means as vertical lines (sampled dashed, trained dotted)."""
     schedules = list(dict.fromkeys(r["schedule"] for r in rows))
-    for ax_row, sched in zip(axes, schedules):
+    for ax_row, sched in zip(axes, schedules, strict=False):
         color = SCHEDULE_COLOR.get(sched, "tab:gray")
-        for ax, q in zip(ax_row, ("tokens", "turns", "staleness")):
+        for ax, q in zip(ax_row, ("tokens", "turns", "staleness"), strict=False):
             rs = [r for r in rows if r["schedule"] == sched and r["quantity"] == q]
             trained = [r for r in rs if r["set"] == "trained" and r["kind"] == "bin"]
             sampled = [r for r in rs if r["set"] == "sampled" and r["kind"] == "bin"]
