@@ -7,7 +7,7 @@ Each of `--sessions` sessions plays `--turns` model turns: a request whose conte
 prompt, its earlier turns and their tool observations; between two turns a tool call sleeps a seeded
 lognormal latency (median `--tool-median-s`, spread `--tool-sigma`). Turn lengths are fixed by max_tokens (no stop
 token), so both batchers generate the same number of tokens, and with the same request seeds the same
-tokens (counted: `token_mismatches`). The two batchers (engines/base.py make_batcher, rollout.batching)
+tokens (counted: `token_mismatches`). The two batchers (engines/batching.py make_batcher, rollout.batching)
 serve the same sessions over the same engine, alternated `--repeats` times. Printed: one JSON line per
 run, then the medians: generated tokens/s over the whole run (first request to last session end), the
 batcher's queue wait per turn (generate() called to the turn's first step or engine call: mean, p95),
@@ -25,7 +25,9 @@ import statistics
 import time
 from pathlib import Path
 
-from tsrl_cli.engines.base import SamplingParams, TurnRequest, make_batcher, quantile_nearest_rank, request_seed
+from tsrl_cli.engines.batching import make_batcher
+from tsrl_cli.engines.batching_stats import quantile_nearest_rank
+from tsrl_cli.engines.protocol import SamplingParams, TurnRequest, request_seed
 from tsrl_cli.processes import thread_env
 
 

@@ -47,7 +47,7 @@ def logprob_gap(ckpt: Path, rollouts: list[dict], device: str, dtype: str) -> di
         for r in rollouts:
             ids = torch.tensor([r["input_ids"]], device=device)
             lp = token_logprobs(model(input_ids=ids).logits, ids)[0].double().cpu()
-            for t, (m, b) in enumerate(zip(r["loss_mask"], r["behavior_logprobs"])):
+            for t, (m, b) in enumerate(zip(r["loss_mask"], r["behavior_logprobs"], strict=True)):
                 if m and t > 0:
                     gaps.append(abs(float(lp[t]) - b))
     return {"max": max(gaps), "mean": statistics.fmean(gaps), "tokens": len(gaps)}
@@ -68,7 +68,8 @@ def main() -> int:
     cfg = load_config(sets=[f"model.policy={model}", "data.train=[builtin:echo]", f"model.dtype={dtype}",
                             f"rollout.engine={a.engine}", f"devices.rollout={a.device}", f"devices.learner={a.device}",
                             "rollout.prompts_per_round=4", "rollout.group_size=8", "rollout.max_turns=3",
-                            "rollout.max_turn_tokens=64", "rollout.max_trajectory_tokens=1024", "run.save_rollouts=true",
+                            "rollout.max_turn_tokens=64", "rollout.max_trajectory_tokens=1024",
+                            "run.save_rollouts=true",
                             "run.save_every=1", "rollout.vllm_memory_fraction=0.3", f"run.out={out}"],
                       flags={"schedule": "stream", "rounds": 2})
     train(cfg)

@@ -50,7 +50,8 @@ def main() -> int:
         return load_file(str(d / "checkpoints" / f"round-{a.rounds}" / "model.safetensors"))
 
     def tokens(d):
-        return [(r["round"], r["group_id"], r["sample_index"], r["input_ids"]) for r in RunLog(d).rows("rollouts.jsonl")]
+        return [(r["round"], r["group_id"], r["sample_index"], r["input_ids"])
+                for r in RunLog(d).rows("rollouts.jsonl")]
 
     w1, wn = weights(runs["one"]), weights(runs["group"])
     rel = max(float((w1[k] - wn[k]).abs().max() / w1[k].abs().max().clamp(min=1e-300)) for k in w1)

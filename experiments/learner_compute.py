@@ -55,7 +55,8 @@ def one_run(model, ro, obj, device, *, burst: int | None, max_tokens: int | None
         torch.cuda.synchronize()
     secs = time.perf_counter() - t0
     return {"learner_s": secs, "microbatches": len(sl.batches), "backwards": sl.backwards,
-            "accumulator_peak_bytes": sl.acc.peak_open_bytes + sl.acc.param_bytes, "peak_device_bytes": peak(device)}, grads
+            "accumulator_peak_bytes": sl.acc.peak_open_bytes + sl.acc.param_bytes,
+            "peak_device_bytes": peak(device)}, grads
 
 
 def main():
@@ -99,7 +100,7 @@ def main():
             ref = [g.to("cpu", torch.float64) for g in grads]
         best["grad_max_rel_diff"] = max(
             float((g.to("cpu", torch.float64) - s).abs().max() / s.abs().max().clamp(min=1e-30))
-            for g, s in zip(grads, ref))
+            for g, s in zip(grads, ref, strict=True))
         out["runs"][name] = best
     sync = out["runs"]["sync"]
     for row in out["runs"].values():
@@ -115,7 +116,8 @@ def main():
         mem = "" if r["peak_device_bytes"] is None else \
             f", peak {r['peak_device_bytes'] / 2**30:.2f} GiB ({r.get('peak_device_over_sync', 1):.3f}x sync)"
         print(f"  {name:>12}: learner {r['learner_s']:.3f} s ({r['compute_over_sync']:.2f}x sync), "
-              f"{r['microbatches']} micro-batches, accumulator peak {r['accumulator_peak_bytes'] / 2**20:.1f} MiB{mem}, "
+              f"{r['microbatches']} micro-batches, "
+              f"accumulator peak {r['accumulator_peak_bytes'] / 2**20:.1f} MiB{mem}, "
               f"grad diff {r['grad_max_rel_diff']:.1e}")
 
 

@@ -46,7 +46,10 @@ def measure(h, w, ids, c_lp, c_ent, chunk) -> tuple[int, float, tuple]:
         grads = step(h, w, ids, c_lp, c_ent, chunk)
         s = time.perf_counter() - t0
         peak = mt.get_tracker_snapshot("peak")
-    total = lambda snap: sum(v.get("Total", 0) for v in snap.values())
+
+    def total(snap) -> int:
+        return sum(v.get("Total", 0) for v in snap.values())
+
     return total(peak) - total(base), s, grads
 
 
@@ -76,7 +79,7 @@ def main() -> None:
                      "largest_vocab_tensor_bytes": n * a.vocab * 4}
     out["ratio"] = out["unchunked"]["peak_bytes_above_inputs"] / out["chunked"]["peak_bytes_above_inputs"]
     out["grad_max_rel_diff"] = max(float((x.float() - y.float()).abs().max() / y.float().abs().max())
-                                   for x, y in zip(grads["chunked"], grads["unchunked"]))
+                                   for x, y in zip(grads["chunked"], grads["unchunked"], strict=True))
     if a.json:
         print(json.dumps(out))
         return

@@ -36,8 +36,10 @@ import torch
 
 PRESETS = {  # Qwen3 shapes (from the published configs); random weights
     "small": dict(vocab_size=2048, hidden=256, layers=4, intermediate=768, heads=4, kv_heads=2, head_dim=64),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8, head_dim=128),
-    "qwen3-1.7b": dict(vocab_size=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8, head_dim=128),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden=1024, layers=28, intermediate=3072, heads=16, kv_heads=8,
+                       head_dim=128),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden=2048, layers=28, intermediate=6144, heads=16, kv_heads=8,
+                       head_dim=128),
     "qwen3-8b": dict(vocab_size=151936, hidden=4096, layers=36, intermediate=12288, heads=32, kv_heads=8, head_dim=128),
 }
 
@@ -50,7 +52,8 @@ def build(preset: str, dtype, device, seed: int = 0):
     p = PRESETS[preset]
     cfg = Qwen3Config(vocab_size=p["vocab_size"], hidden_size=p["hidden"], intermediate_size=p["intermediate"],
                       num_hidden_layers=p["layers"], num_attention_heads=p["heads"], num_key_value_heads=p["kv_heads"],
-                      head_dim=p["head_dim"], tie_word_embeddings=preset in ("qwen3-0.6b", "qwen3-1.7b"), max_position_embeddings=4096)
+                      head_dim=p["head_dim"], tie_word_embeddings=preset in ("qwen3-0.6b", "qwen3-1.7b"),
+                      max_position_embeddings=4096)
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy of an 8B model first
@@ -155,7 +158,7 @@ def one_mode(args, lora_rank: int) -> dict:
     if out["peak_sync"] is not None:
         out["extra_peak_over_model"] = (out["peak_stream"] - out["peak_sync"]) / out["model_bytes"]
     out["grad_max_rel_diff"] = max(float((g.float() - s.float()).abs().max() / s.float().abs().max().clamp(min=1e-30))
-                                   for g, s in zip(grads, sync_grads) if g is not None)
+                                   for g, s in zip(grads, sync_grads, strict=True) if g is not None)
     return out
 
 
@@ -170,7 +173,8 @@ def main():
     ap.add_argument("--length", type=int, default=512, help="max tokens per trajectory")
     ap.add_argument("--max-open-groups", type=int, default=None,
                     help="stream's cap on groups holding buffers (None: no cap; 0: every group deferred to its close)")
-    ap.add_argument("--modes", default="full,lora", help="comma-separated: full, lora (full at 8B needs ~10x the model)")
+    ap.add_argument("--modes", default="full,lora",
+                    help="comma-separated: full, lora (full at 8B needs ~10x the model)")
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                     help="LoRA target modules, comma-separated (PEFT's own default for Qwen is q_proj,v_proj)")
     ap.add_argument("--adv-norm", default="group", choices=["group", "center"],
@@ -192,8 +196,10 @@ def main():
     print(f"{a.preset} {a.dtype} on {a.device}: {a.groups} groups x {a.group_size}, <= {a.length} tokens, "
           f"max_open_groups {a.max_open_groups}")
     for r in rows:
-        line = (f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
-                f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = {100 * r['open_over_model']:.2f} % of the "
+        line = (f"{r['mode']:>4}: model {r['model_bytes'] / 2**20:.1f} MiB, "
+                f"trainable {r['trainable_bytes'] / 2**20:.2f} MiB, "
+                f"open-group buffers {r['open_peak_bytes'] / 2**20:.2f} MiB = "
+                f"{100 * r['open_over_model']:.2f} % of the "
                 f"model (with R: {100 * r['accumulator_over_model']:.2f} %)")
         if r.get("computed_from_shapes"):
             print(line + ", computed from shapes")

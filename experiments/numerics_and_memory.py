@@ -70,7 +70,8 @@ def memory_and_cost():
         pair = lazy_and_stream(model, ro, Objective("grpo", LossConfig(max_open_groups=cap)), order=order, seed=0)
         acc = pair.learner.acc
         rows.append(dict(order=order, max_open_groups=cap, peak_sets=acc.peak_open_bytes / acc.param_bytes,
-                         peak_mib=acc.peak_open_bytes / 2**20, stream_over_lazy_time=pair.time_stream_s / pair.time_lazy_s))
+                         peak_mib=acc.peak_open_bytes / 2**20,
+                         stream_over_lazy_time=pair.time_stream_s / pair.time_lazy_s))
     return rows
 
 
@@ -90,7 +91,8 @@ def main():
               f"{r['stream32'] / r['lazy32']:>10.2f}  {r['naive32'] / r['lazy32']:>10.1f}")
     print("\norder   cap   peak buffer sets  peak MiB  stream/lazy time")
     for r in mem_rows:
-        print(f"{r['order']:<7} {r['max_open_groups']!s:<5} {r['peak_sets']:>16.0f}  {r['peak_mib']:>8.2f}  {r['stream_over_lazy_time']:>16.2f}")
+        print(f"{r['order']:<7} {r['max_open_groups']!s:<5} {r['peak_sets']:>16.0f}  {r['peak_mib']:>8.2f}  "
+              f"{r['stream_over_lazy_time']:>16.2f}")
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def round_breakdown(events: list[dict]) -> dict:
     rollout, step, sync = one.get("rollout"), one.get("step"), one.get("weight_sync")
     stream = batch is None
     if stream:
-        busy_spans = [(e["backward_start_s"], e["backward_end_s"]) for e in items if e.get("backward_start_s") is not None]
+        busy_spans = [(e["backward_start_s"], e["backward_end_s"]) for e in items
+                      if e.get("backward_start_s") is not None]
     else:
         busy_spans = [(batch["start_s"], batch["end_s"])]
     last_arrival = max(e["finished_at_s"] for e in items)
@@ -119,7 +120,8 @@ def round_breakdown(events: list[dict]) -> dict:
         out["queue_max_s"] = max(waits) if waits else None
         if turns:
             # the learner had nothing to do (not busy, nothing queued) while a closed turn sat at the teacher
-            queued = [(e["finished_at_s"], e["backward_start_s"]) for e in items if e.get("backward_start_s") is not None]
+            queued = [(e["finished_at_s"], e["backward_start_s"]) for e in items
+                      if e.get("backward_start_s") is not None]
             pending = intersect([(e["closed_at_s"], e["finished_at_s"]) for e in turns],
                                 [(0.0, max(b for _, b in busy_spans) if busy_spans else last_arrival)])
             out["blocked_on_teacher_s"] = length(pending) - length(intersect(pending, busy_spans + queued))

@@ -106,7 +106,11 @@ class ScriptedLearner:
 
         self.cfg = Cfg()
 
-    def engine(self, plan: RoundPlan, token_weights=None, max_items=1) -> StreamLearner:
+    @property
+    def sync_batching(self) -> str:  # rl.schedules.ScheduleHost: sync's batching after the last arrival
+        return self.cfg.sync_batching
+
+    def round_learner(self, plan: RoundPlan, token_weights=None, max_items=1) -> StreamLearner:
         return StreamLearner(self.model, self.obj, plan.group_sizes(), max_items=max_items,
                              token_weights=token_weights, opd_unit=self.opd_unit)
 

@@ -1,5 +1,5 @@
 """tsrl plan's figures (fake CPU tensors) against what the same passes allocate for real: on a CUDA GPU against
-torch.cuda.max_memory_allocated, on the CPU (--device cpu, the dry run of experiments/gpu_checks.sh) against the
+torch.cuda.max_memory_allocated, on the CPU (--device cpu, the CPU run of experiments/gpu_checks.sh) against the
 same tracker over real tensors, the only allocation count a CPU has. Three passes, with the plan's own code
 (tsrl_cli/memtrace.py) and random weights from a config.json (default Qwen3-1.7B's, committed under
 experiments/node8/models/): the learner's forward and backward, AdamW's step, and the OPD teacher's costliest
@@ -7,7 +7,7 @@ forward (rl/teacher_worker.TurnScorer's last chunk over a cached prefix).
 
     python experiments/plan_vs_cuda.py                                    # Qwen3-1.7B, bf16, 1 x 4096, checkpointed
     python experiments/plan_vs_cuda.py --config experiments/node8/models/Qwen3-8B --tokens 8192 --json
-    .venv/bin/python experiments/plan_vs_cuda.py --device cpu --tiny --json   # the dry run: a tiny Qwen3, float32
+    .venv/bin/python experiments/plan_vs_cuda.py --device cpu --tiny --json   # the CPU run: a tiny Qwen3, float32
 
 max_memory_allocated counts what the caching allocator handed out (the tracker rounds blocks to 512 bytes as the
 allocator does). On a GPU it also measures what the plan covers with its CUDA allowance (tsrl_cli.plan
@@ -61,7 +61,7 @@ def main() -> int:
     a = ap.parse_args()
     cuda = a.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("plan_vs_cuda: --device cuda needs a CUDA GPU (none here); --device cpu is the dry run", file=sys.stderr)
+        print("plan_vs_cuda: --device cuda needs a CUDA GPU (none here); --device cpu is the CPU run", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     tokens = a.tokens or (256 if a.tiny else 4096)

@@ -1,4 +1,6 @@
-"""Config: precedence, strict keys and types, YAML round trip; CLI exit 2 on a bad key."""
+"""Config: precedence, strict keys and types, YAML round trip; CLI exit 2 on a bad key; the choices."""
+
+import typing
 
 import pytest
 from typer.testing import CliRunner
@@ -92,3 +94,62 @@ def test_vllm_engine_missing_exits_2_before_any_process(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(UsageError, match=r"pip install -e '\.\[gpu\]'"):
         check_placement(load_config(sets=["rollout.engine=vllm"]))
+
+
+# ---- choices: each spelled once, as a Literal; the loader and the section checks enforce them ----------------
+
+def test_a_literal_field_refuses_a_name_outside_it_with_its_choices():
+    from tsrl_cli.config import OPD_UNITS, LearnerConfig, choices
+
+    assert choices(LearnerConfig, "opd_unit") == OPD_UNITS == ("trajectory", "turn")
+    assert load_config(sets=["learner.opd_unit=turn"]).learner.opd_unit == "turn"
+    with pytest.raises(ConfigError, match=r"^config key learner.opd_unit: 'turns' is not one of trajectory, turn$"):
+        load_config(sets=["learner.opd_unit=turns"])
+    with pytest.raises(ConfigError, match="config key loss.loss_agg: 'mean' is not one of token-mean, "):
+        load_config(sets=["loss.loss_agg=mean"])  # a LossConfig choice (Annotated[str, Literal]) too
+
+
+def test_validate_config_checks_a_config_made_in_code():
+    """dataclasses.replace skips the loader: validate_config checks the leaves and the loss section itself."""
+    from dataclasses import replace
+
+    from tsrl_cli.config import validate_config
+
+    cfg = TrainConfig()
+    with pytest.raises(ConfigError, match="config key schedule: 'later' is not one of sync, stream, async"):
+        validate_config(replace(cfg, schedule="later"))
+    with pytest.raises(ConfigError, match="needs an explicit constant"):
+        validate_config(replace(cfg, loss=replace(cfg.loss, loss_agg="seq-mean-token-sum-norm")))
+    assert validate_config(replace(cfg, schedule="sync")).schedule == "sync"
+
+
+def _differ(registry, literal) -> set:
+    return set(registry) ^ set(typing.get_args(literal))
+
+
+def test_loss_names_in_config_are_core_registries():
+    """core/ (torch only) holds the functions and the names; config.py copies them for torch-free checks."""
+    from tsrl_cli.config import AdvNorm, AdvStd, KLType, LossAgg
+    from tsrl_cli.core.advantages import ADVANTAGES, STD_KINDS
+    from tsrl_cli.core.losses import KL_TYPES, LOSS_AGG_MODES
+
+    for registry, literal in ((LOSS_AGG_MODES, LossAgg), (KL_TYPES, KLType), (ADVANTAGES, AdvNorm),
+                              (STD_KINDS, AdvStd)):
+        assert _differ(registry, literal) == set(), literal
+    assert _differ((*LOSS_AGG_MODES, "seq-sum"), LossAgg) == {"seq-sum"}  # positive control: a name added to core
+    assert _differ(tuple(ADVANTAGES)[:1], AdvNorm) == {"center", "rloo"}  # ... or missing there
+
+
+def test_every_opd_form_is_computed():
+    """config.OpdForm has no core registry: each name gives its own loss, and another name is refused."""
+    import torch
+
+    from tsrl_cli.config import LossConfig, OpdForm
+    from tsrl_cli.errors import UsageError
+    from tsrl_cli.rl.objective import Objective, opd_term
+
+    logp, teacher = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -0.5]])
+    losses = [opd_term(Objective("opd", LossConfig(opd_form=f)), logp, teacher) for f in typing.get_args(OpdForm)]
+    assert len(losses) == 2 and not torch.equal(losses[0], losses[1])
+    with pytest.raises(UsageError, match="OPD form 'fkl' is unknown; use one of pg, k3"):
+        Objective("opd", LossConfig(opd_form="fkl"))

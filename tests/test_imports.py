@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(code):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -26,7 +28,8 @@ def test_core_imports_only_torch():
     code = (
         "import sys\n"
         "import tsrl_cli.core.accumulator, tsrl_cli.core.losses, tsrl_cli.core.advantages\n"
-        "print(sorted(m for m in ('typer', 'rich', 'transformers', 'tsrl_cli.cli', 'tsrl_cli.learner') if m in sys.modules))"
+        "print(sorted(m for m in ('typer', 'rich', 'transformers', 'tsrl_cli.cli', 'tsrl_cli.learner')\n"
+        "             if m in sys.modules))"
     )
     assert _run(code) == "[]"
 
@@ -39,6 +42,7 @@ def test_console_script_help():
     assert out.returncode == 0 and "verify" in out.stdout
 
 
+@pytest.mark.slow
 def test_round_engine_imports_no_cli_or_ui():
     code = (
         "import sys\n"

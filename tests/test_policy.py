@@ -60,7 +60,7 @@ def test_load_policy_errors_name_the_place(tmp_path):
         load_policy("builtin:tiny", dtype="float16")
     m, t = load_policy("builtin:tiny", dtype="float64", seed=2)
     m2, _ = load_policy("builtin:tiny", dtype="float64", seed=2)
-    assert t is None and all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    assert t is None and all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
 
 
 def test_save_policy_is_atomic(tmp_path, tok):

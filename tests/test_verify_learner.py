@@ -30,6 +30,7 @@ def test_checkpointing_and_chunks_stay_at_float64_rounding(objective, agg, queue
     assert res["activation_checkpointing"] is True and res["logits_chunk_tokens"] == 7
 
 
+@pytest.mark.slow
 def test_on_a_group_of_two_cpu_ranks():
     res = run_verify(VerifyOptions(groups=2, group_size=4, queued=4, learners="cpu:2", learner=BOTH))
     assert res["ok"] and res["max_rel_diff"] <= 1e-12 and res["learner_ranks"] == 2
@@ -71,12 +72,14 @@ def test_learner_settings_take_learner_keys_only():
 
 
 def test_cli_set_learner_keys():
-    res = runner.invoke(app, ["verify", "--groups", "2", "--group-size", "3", "--set", "learner.activation_checkpointing=true",
+    res = runner.invoke(app, ["verify", "--groups", "2", "--group-size", "3",
+                              "--set", "learner.activation_checkpointing=true",
                               "--set", "learner.logits_chunk_tokens=5", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["ok"] and doc["activation_checkpointing"] and doc["logits_chunk_tokens"] == 5
-    human = runner.invoke(app, ["verify", "--groups", "2", "--group-size", "2", "--set", "learner.logits_chunk_tokens=5"])
+    human = runner.invoke(app, ["verify", "--groups", "2", "--group-size", "2",
+                                "--set", "learner.logits_chunk_tokens=5"])
     assert human.exit_code == 0 and "logits in chunks of 5" in human.stdout
     bad = runner.invoke(app, ["verify", "--set", "rollout.max_turns=3"])
     assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1, bad.output

@@ -6,6 +6,11 @@ N ranks shards the model over them (rl/group.py). The rollout side runs one engi
 (per `rollout.tensor_parallel` devices with vLLM). The teacher runs on one device; a range there is
 refused with that message rather than silently using its first device.
 
+`cuda:k` is logical: the k-th device this process can see, i.e. entry k of the inherited
+CUDA_VISIBLE_DEVICES (an index, a GPU UUID or a MIG id; GPU k when it is unset), as torch and CUDA
+number them. physical_device maps a logical device to that entry; where tsrl sets
+CUDA_VISIBLE_DEVICES for an engine (engines/load.py) it writes the mapped entries, never the raw k.
+
 torch is imported only inside cuda_count, the one function that asks the machine: config.py
 imports this module and loads without torch (`tsrl --help` builds `tsrl verify`'s options from
 config.LossConfig; predict and report read run configs).
@@ -13,9 +18,13 @@ config.LossConfig; predict and report read run configs).
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 
 from tsrl_cli.errors import UsageError
+
+CVD = "CUDA_VISIBLE_DEVICES"
 
 
 def parse_devices(spec: str | int, key: str) -> tuple[str, ...]:
@@ -81,6 +90,49 @@ def device_of(cfg, side: str) -> str:
     if side == "rollout" or cfg.devices.teacher is None:  # the teacher defaults to the rollout side's first device
         return parse_devices(cfg.devices.rollout, "devices.rollout")[0]
     return one_device(cfg.devices.teacher, "devices.teacher")
+
+
+def visible_devices(env: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+    """The entries of CUDA_VISIBLE_DEVICES (in `env`, default this process's environment) as CUDA enumerates
+    them: None when it is unset (every GPU, GPU k as cuda:k). Indices are normalised ("02" -> "2"); UUIDs
+    (GPU-...) and MIG ids (MIG-...) are kept as written. As the CUDA runtime reads the list (torch.cuda mirrors
+    it in _parse_visible_devices): it ends at the first entry it cannot read or of another kind than the first
+    ("-1", "", a UUID after indices), and an entry listed twice makes the whole list empty."""
+    raw = (os.environ if env is None else env).get(CVD)
+    if raw is None:
+        return None
+    out: list[str] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        kind = _cvd_kind(entry)
+        if kind is None or (out and kind != _cvd_kind(out[0])):
+            break
+        entry = str(int(entry)) if kind == "index" else entry
+        if entry in out:
+            return ()
+        out.append(entry)
+    return tuple(out)
+
+
+def _cvd_kind(entry: str) -> str | None:
+    """index, GPU- (a UUID), MIG- (a MIG id), or None: an entry CUDA cannot read."""
+    return "index" if entry.isascii() and entry.isdigit() else entry[:4] if entry[:4] in ("GPU-", "MIG-") else None
+
+
+def physical_device(device: str, key: str, env: Mapping[str, str] | None = None) -> str:
+    """The physical identity of a logical device: cuda:k -> entry k of CUDA_VISIBLE_DEVICES (visible_devices of
+    `env`), or "k" when it is unset; cpu and mps are themselves. A k beyond the visible list is a UsageError
+    naming `key` and the list."""
+    if not device.startswith("cuda:"):
+        return device
+    k, visible = int(device.split(":", 1)[1]), visible_devices(env)
+    if visible is None:
+        return str(k)
+    if k >= len(visible):
+        listed = f"lists {len(visible)} ({','.join(visible)})" if visible else "lists no usable GPU"
+        raise UsageError(f"{key}: {device} is entry {k} of CUDA_VISIBLE_DEVICES (counted from 0), which {listed}; "
+                         + (f"name an index below {len(visible)}, or " if visible else "")
+                         + "run where CUDA_VISIBLE_DEVICES lists more GPUs")
+    return visible[k]
 
 
 def cuda_count() -> int:

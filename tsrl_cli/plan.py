@@ -6,14 +6,19 @@ models' config.json alone (no weights, no GPU). The arithmetic is in docs/distri
   learner-r  measured (memtrace): one forward and backward of the largest micro-batch with the run's learner.*
              settings, and AdamW's step over this rank's tensors; added by arithmetic: AdamW's two moments in the
              optimizer's dtype, one process's float32 masters, the streaming buffers on the device (1 + 2k sets of
-             this rank's trained elements) and a KL term's frozen reference.
+             this rank's trained elements), a KL term's frozen reference, and with host buffers the gradients of
+             the loss.host_fold_pending passes the fold queue may hold (fold_backlog).
   engine-i   vllm: vLLM's own accounting. It takes rollout.vllm_memory_fraction of the device; the weights, LoRA's
              stacked adapters, its profile forward, the CUDA allowance and the key/value cache of one max_model_len
-             sequence must fit in that. hf: measured, the prefill of rollout.max_batch full-length requests.
+             sequence must fit in that; a warning when the rest, the key/value cache, holds fewer tokens than the
+             replica's running turns at full length (kv_shortfall). hf: measured, the prefill of rollout.max_batch
+             full-length requests.
   teacher    measured: the costliest forward of rl/teacher_worker.TurnScorer (a full-length prefix's last chunk),
-             plus the other trajectories' caches its byte cap allows beside it.
-  host       pinned streaming buffers of ranks on GPUs (loss.buffer_device cpu), rank 0's copy of the policy, vLLM's
-             host copies of the LoRA adapters.
+             plus the other open sessions' key/value caches (teacher_cache_bytes: rollout.concurrency full-length
+             trajectories, or model.teacher_cache_gib), and how many full-length sessions those caches hold.
+  host       pinned streaming buffers of ranks on GPUs (loss.buffer_device cpu), each tensor a power-of-two block of
+             the caching host allocator (pinned_block_bytes), rank 0's copy of the policy, vLLM's host copies of the
+             LoRA adapters.
 
 Every process on a CUDA device gets CUDA_RUNTIME_BYTES on top of what the tracker measures (the CUDA context,
 library workspaces, NCCL's buffers, allocator slack), inside vLLM's fraction for an engine. Processes on one device
@@ -37,6 +42,7 @@ from tsrl_cli.errors import UsageError
 from tsrl_cli.memtrace import LearnerShape, inference, learner_pass, optimizer_step, teacher_scoring
 from tsrl_cli.policy import TORCH_DTYPES, build_from_config, model_config
 from tsrl_cli.rl.masters import master_dtype
+from tsrl_cli.rl.teacher_worker import teacher_cache_bytes
 
 GiB = 1 << 30
 # a CUDA device this machine does not have is taken to be an 80 GB one (H100 class; 80e9 bytes, 74.5 GiB, less than
@@ -53,6 +59,9 @@ VLLM_PROFILE_TOKENS = 16384
 # vLLM shards these layers by rows (ColumnParallelLinear: the output split over tensor-parallel ranks); the others
 # of Qwen3's decoder (o_proj, down_proj) by columns (RowParallelLinear: the input split)
 VLLM_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# the host parts in pinned memory (loss.buffer_device cpu, a learner on GPUs): the tensors as asked, and what the
+# caching host allocator's power-of-two blocks add to them (pinned_block_bytes)
+PINNED_PARTS = ("learner_pinned_buffers", "learner_fold_staging", "pinned_rounding")
 
 
 @dataclass
@@ -67,6 +76,7 @@ class Process:
     capacity: str = ""  # where the capacity comes from
     device_bytes: int = 0  # every process on this device together
     fits: bool = False
+    warnings: list = field(default_factory=list)  # what fits but costs time (vLLM: a KV cache short of its turns)
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -88,7 +98,7 @@ def _trajectory_tokens(cfg: TrainConfig, config) -> int:
 
 
 def microbatch_rows(cfg: TrainConfig, world: int, width: int) -> int:
-    """Rows of the experiment's largest micro-batch of `width` positions (rl/learner.py StreamLearner._chunks):
+    """Rows of the experiment's largest micro-batch of `width` positions (rl/microbatch.py chunks):
     sync's padded batch splits only under learner.max_microbatch_tokens; stream and async micro-batch queued
     arrivals where learner.microbatch says so (auto: a group or a CUDA learner), else one row at a time."""
     lc, n = cfg.learner, cfg.rollout.prompts_per_round * cfg.rollout.group_size
@@ -134,6 +144,14 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def pinned_block_bytes(n: int) -> int:
+    """Bytes of pinned host memory a tensor of `n` bytes holds: PyTorch's caching host allocator rounds every
+    request up to the next power of two (CachingHostAllocatorImpl::allocate, aten/src/ATen/core/
+    CachingHostAllocator.h: c10::llvm::PowerOf2Ceil(size), below pinned_max_round_threshold_mb, unlimited by
+    default) and keeps the block when the tensor is freed. 0 for 0 bytes; 5 MiB -> 8 MiB; 2^k stays 2^k."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 # ---------------------------------------------------------------------------- the learner
 
 
@@ -150,7 +168,8 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
     rows = microbatch_rows(cfg, world, width)
     regularized = bool(cfg.loss.kl_coef or cfg.loss.entropy_coef)
     shape = LearnerShape(rows=rows, width=width, dtype=dtype, world=world, lora=cfg.lora,
-                         checkpointing=cfg.learner.activation_checkpointing, chunk_tokens=cfg.learner.logits_chunk_tokens,
+                         checkpointing=cfg.learner.activation_checkpointing,
+                         chunk_tokens=cfg.learner.logits_chunk_tokens,
                          entropy=cfg.loss.entropy_coef != 0,
                          passes=2 if cfg.objective == "grpo" and regularized and cfg.schedule != "sync" else 1,
                          master_dtype=masters, buffer_dtype=None if host_buffers else buf_dtype)
@@ -166,6 +185,9 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
         "masters": 0 if tr.opt_is_model else opt_numel * b_opt,
         "streaming_buffers": 0 if host_buffers else sets * set_bytes,
         "kl_reference": tr.param_numel * _size(dtype) if cfg.loss.kl_coef else 0,
+        # host buffers: the fold queue keeps up to loss.host_fold_pending passes' gradients on the device, each
+        # what one pass hands the fold thread (a group rank: every unit's all-to-all output, N x its shard)
+        "fold_backlog": cfg.loss.host_fold_pending * world * tr.buffer_numel * _size(dtype) if host_buffers else 0,
     }
     pass_bytes = sum(parts.values())
     step = _traced(optimizer_step, tr.opt_shapes, tr.opt_dtype, foreach=on_cuda) if adam else 2 * opt_numel * b_opt
@@ -177,7 +199,8 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
     peak = max(pass_bytes, step_bytes)
     parts |= {"pass": pass_bytes, "traced_optimizer_step": step, "step": step_bytes, "buffer_set": set_bytes}
     counts = {"microbatch_rows": rows, "microbatch_width": width, "buffer_sets": sets, "passes": shape.passes}
-    how = (f"measured on fake CPU tensors: {'rank 0 of an FSDP2 group of ' + str(world) if world > 1 else 'one process'}, "
+    how = ("measured on fake CPU tensors: "
+           f"{'rank 0 of an FSDP2 group of ' + str(world) if world > 1 else 'one process'}, "
            f"a {rows} x {width} micro-batch, then {'the moments, ' if adam else ''}buffers by arithmetic")
     procs = [Process("learner" if world == 1 else f"learner-{r}", d, peak, how, dict(parts), dict(counts))
              for r, d in enumerate(devices)]
@@ -186,6 +209,10 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
         host["learner_pinned_buffers"] = world * sets * set_bytes
         # HostFold's pinned copy of one fold's gradients per rank, which the pinned allocator keeps
         host["learner_fold_staging"] = world * tr.buffer_numel * _size(dtype)
+        # one pinned block per template tensor, per buffer set and in the staging copy, each a power of two
+        rounded = sum(sets * pinned_block_bytes(n * _size(buf_dtype)) + pinned_block_bytes(n * _size(dtype))
+                      for n in tr.buffer_numels)
+        host["pinned_rounding"] = world * rounded - host["learner_pinned_buffers"] - host["learner_fold_staging"]
     if world > 1 and on_cuda:  # rank 0's full copy of the policy: publishing and checkpoints
         host["learner_rank0_policy_copy"] = world * tr.param_numel * _size(dtype)
     return procs, host
@@ -254,20 +281,37 @@ def vllm_process(cfg: TrainConfig, config, name: str, device: str, tp: int, capa
     kv = max(0, budget - fixed)
     parts = {"weights": weights, "lora": lora[0], "profile_activations": act, "cuda_runtime": CUDA_RUNTIME_BYTES,
              "kv_cache": kv, "gpu_memory_utilization": budget}
-    counts = {"kv_bytes_per_token": per_token, "max_model_len": max_len,
-              "full_length_sequences": kv // (per_token * max_len), "sessions": sessions, **lora[2]}
+    running = min(cfg.rollout.max_batch, sessions)  # turns the batcher runs at once on this replica
+    counts = {"kv_bytes_per_token": per_token, "max_model_len": max_len, "kv_cache_tokens": kv // per_token,
+              "full_length_sequences": kv // (per_token * max_len), "sessions": sessions, "running_turns": running,
+              **lora[2]}
     how = (f"vLLM's accounting: {cfg.rollout.vllm_memory_fraction:g} of the device; KV 2 x layers x kv_heads x "
            f"head_dim x bytes per token; profile forward of {VLLM_PROFILE_TOKENS} tokens measured")
-    return Process(name, device, max(budget, need), how, parts, counts)
+    warn = kv_shortfall(name.rsplit(".", 1)[0] if tp > 1 else name, kv // per_token, running, max_len)
+    return Process(name, device, max(budget, need), how, parts, counts, warnings=[warn] if warn else [])
+
+
+def kv_shortfall(replica: str, kv_tokens: int, running: int, context: int) -> str | None:
+    """Why a vLLM replica whose key/value cache holds `kv_tokens` will preempt turns: `running` turns at once
+    (rollout.max_batch, at most the replica's sessions) of `context` tokens each (rollout.max_trajectory_tokens: an
+    agent's context grows to it over its turns) need more. vLLM then preempts running turns when the cache is full
+    and prefills them again when they resume (a recompute of their whole context). None when they fit."""
+    need = running * context
+    if kv_tokens >= need:
+        return None
+    return (f"{replica}: vLLM's key/value cache holds {kv_tokens:,} tokens, fewer than {running} running turns x "
+            f"{context:,} tokens (rollout.max_batch x rollout.max_trajectory_tokens = {need:,}; room for "
+            f"{kv_tokens // context} at full length): vLLM will preempt turns and prefill them again; raise "
+            f"rollout.vllm_memory_fraction or rollout.tensor_parallel, or lower rollout.max_batch")
 
 
 def hf_engine_process(cfg: TrainConfig, config, sessions: int) -> Process:
     """The hf engine's largest call: rollout.max_batch requests (1 when batch_invariant; at most the replica's
     sessions) prefilled at full length, with their key/value cache and the last position's logits, as HFEngine's
     prefill computes them. Continuous batching holds no more: the turns joining the running batch are prefilled beside
-    the others' caches (running + joining <= max_batch rows, so fewer rows' activations), and the merge concatenates the caches
-    one layer at a time (a transient of one layer's keys and values, 1/num_hidden_layers of the cache). Named and
-    placed by the caller."""
+    the others' caches (running + joining <= max_batch rows, so fewer rows' activations), and the merge concatenates
+    the caches one layer at a time (a transient of one layer's keys and values, 1/num_hidden_layers of the cache).
+    Named and placed by the caller."""
     rows = 1 if cfg.rollout.batch_invariant else min(cfg.rollout.max_batch, sessions)
     width = _trajectory_tokens(cfg, config)
     peak, params = _traced(inference, config, TORCH_DTYPES[cfg.model.dtype], rows, width, keep=1, cache=True,
@@ -278,15 +322,31 @@ def hf_engine_process(cfg: TrainConfig, config, sessions: int) -> Process:
 
 def teacher_process(cfg: TrainConfig, config) -> Process:
     """The teacher's costliest forward (memtrace.teacher_scoring: TurnScorer's last chunk of a full-length prefix,
-    the prefix's key/value cache and the chunk's logits), beside the other trajectories' caches its cap allows."""
+    the prefix's key/value cache and the chunk's logits), beside the other sessions' caches: its cap is
+    teacher_cache_bytes (every open session at full length unless model.teacher_cache_gib says less), at least the
+    scored prefix's. Under a cap below every session's the worker drops caches least recently used first, and
+    `sessions_cached` < `sessions` says so: a dropped session's next turn re-scores its whole prefix."""
     width = _trajectory_tokens(cfg, config)
     turn = min(cfg.rollout.max_turn_tokens, width - 1)
     tr = _traced(teacher_scoring, config, TORCH_DTYPES[cfg.model.dtype], width, turn)
-    return Process("teacher", device_of(cfg, "teacher"), tr.peak + tr.others_bytes,
+    per_token = kv_bytes_per_token(config, TORCH_DTYPES[cfg.model.dtype])
+    full = width * per_token  # one full-length session's keys and values: the traced forward holds them
+    others = max(0, teacher_cache_bytes(cfg, per_token) - full)
+    sessions, held = cfg.rollout.concurrency, (full + others) // full
+    caches = (f"the caches of all {sessions} open sessions at full length" if held >= sessions else
+              f"caches for {held} of {sessions} full-length sessions (model.teacher_cache_gib; least recently used "
+              "dropped: a dropped session's next turn re-scores its prefix)")
+    return Process("teacher", device_of(cfg, "teacher"), tr.peak + others,
                    f"measured on fake CPU tensors: the teacher's scorer, the last {tr.chunk_tokens}-position chunk "
-                   f"of a {width}-token prefix",
-                   {"weights": tr.param_bytes, "scoring": tr.peak - tr.param_bytes, "other_caches": tr.others_bytes},
-                   {"prefix": width, "turn": turn, "chunk_tokens": tr.chunk_tokens})
+                   f"of a {width}-token prefix; {caches}",
+                   {"weights": tr.param_bytes, "scoring": tr.peak - tr.param_bytes, "other_caches": others},
+                   {"prefix": width, "turn": turn, "chunk_tokens": tr.chunk_tokens, "kv_bytes_per_token": per_token,
+                    "sessions": sessions, "sessions_cached": min(held, sessions)},
+                   warnings=[] if held >= sessions else [
+                       f"teacher: its key/value caches hold {held} of {sessions} full-length sessions "
+                       "(model.teacher_cache_gib): with turns interleaved, a turn whose cache was dropped re-scores "
+                       "its whole prefix, about (K + 1)/2 x the tokens of a K-turn trajectory; tsrl predict shows "
+                       "the teacher's busy time per round"])
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -342,7 +402,8 @@ def plan_experiment(cfg: TrainConfig, capacity_gib: float | None = None, host_gi
                     procs.append(vllm_process(cfg, policy, name, d, len(devs),
                                               _capacity(d, capacity_gib, host_cap, gpus)[0], sessions, traced, lora))
                 else:
-                    procs.append(Process(name, d, traced.peak_bytes, traced.how, dict(traced.parts), dict(traced.counts)))
+                    procs.append(Process(name, d, traced.peak_bytes, traced.how, dict(traced.parts),
+                                         dict(traced.counts)))
     if cfg.objective == "opd":
         procs.append(teacher_process(cfg, _config(cfg, "teacher")))
     for p in procs:  # vLLM's own accounting has its allowance inside the fraction
@@ -350,7 +411,11 @@ def plan_experiment(cfg: TrainConfig, capacity_gib: float | None = None, host_gi
             p.parts["cuda_runtime"] = CUDA_RUNTIME_BYTES
             p.peak_bytes += CUDA_RUNTIME_BYTES
     if host:
-        procs.append(Process("host", "cpu", sum(host.values()), "arithmetic: host-memory buffers and copies", host))
+        pinned = {k: v for k, v in host.items() if k in PINNED_PARTS}
+        counts = {"pinned_requested_bytes": sum(pinned.values()) - pinned["pinned_rounding"],
+                  "pinned_bytes": sum(pinned.values())} if pinned else {}
+        procs.append(Process("host", "cpu", sum(host.values()), "arithmetic: host-memory buffers and copies", host,
+                             counts))
     for p in procs:
         p.capacity_bytes, p.capacity = _capacity(p.device, capacity_gib, host_cap, gpus)
         p.device_bytes = sum(q.peak_bytes for q in procs if q.device == p.device)

@@ -38,10 +38,17 @@ import torch.utils.checkpoint
 import transformers
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from tsrl_cli.config import DTYPES
-from tsrl_cli.core.losses import chunked_token_logprobs, token_entropy, token_logprobs
+from tsrl_cli.core.losses import chunked_token_logprobs, selected_token_logprobs, token_entropy, token_logprobs
 from tsrl_cli.errors import UsageError
 from tsrl_cli.files import atomic_dir, file_sha256
 
@@ -361,8 +368,8 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 
 def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None, *,
-                     entropy: bool = False, chunk_tokens: int | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: bool = False, chunk_tokens: int | None = None, scored_B_T: torch.Tensor | None = None,
+                     position_ids_B_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) log-probs of the given tokens (with grad), and (B, T) entropies when asked.
 
     Computed from raw logits (core.losses.token_logprobs), never through transformers' `labels=`
@@ -370,18 +377,27 @@ def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Ten
     chunk_tokens (learner.logits_chunk_tokens): the LM head, log-softmax and entropy, and their backward,
     run that many positions at a time (core.losses): the same values and gradients, and no
     full-vocabulary tensor longer than chunk_tokens positions.
+    scored_B_T: the positions whose log-probs are needed (a loss's scored tokens): with a plain linear head the
+    head runs over those alone (core.losses.selected_token_logprobs; the rest are 0), else over every position.
+    position_ids_B_T: positions restarting at 0 inside a row mark packed sequences (transformers attends within
+    each only); with them the attention mask is None.
     """
-    if chunk_tokens is None:
-        logits = model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, use_cache=False).logits
+    plain_head = type(model.get_output_embeddings()) is torch.nn.Linear
+    if chunk_tokens is None and (scored_B_T is None or not plain_head):
+        logits = model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, position_ids=position_ids_B_T,
+                       use_cache=False).logits
         return token_logprobs(logits, ids_B_T), (token_entropy(logits) if entropy else None)
-    hidden, head = _last_hidden(model, ids_B_T, attention_mask_B_T)
+    hidden, head = _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T)
     # a learner group: FSDP2 reshards the root unit (the head) after each backward, and a second backward of
     # the same forward (the learner's regularizer pass) reaches the head before any FSDP hook gathers it again
     regather = model.unshard if isinstance(model, FSDPModule) else None
+    if scored_B_T is not None:
+        return selected_token_logprobs(hidden, head.weight, head.bias, ids_B_T, scored_B_T, chunk_tokens, entropy,
+                                       regather)
     return chunked_token_logprobs(hidden, head.weight, head.bias, ids_B_T, chunk_tokens, entropy, regather)
 
 
-def _last_hidden(model, ids_B_T, attention_mask_B_T):
+def _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T=None):
     """((B, T, H) hidden states the LM head reads, the head): the model's own forward, asked for no logits.
 
     The forward runs through the model's __call__ (on a learner group, FSDP's root hooks gather the head
@@ -395,7 +411,7 @@ def _last_hidden(model, ids_B_T, attention_mask_B_T):
     box = []
     hook = model.get_decoder().register_forward_hook(lambda mod, args, out: box.append(out[0]))
     try:
-        model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, use_cache=False,
+        model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, position_ids=position_ids_B_T, use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=ids_B_T.device))
     finally:
         hook.remove()

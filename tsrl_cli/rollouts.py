@@ -7,6 +7,8 @@ Fields (the training engine writes the same):
   reward (float)
   turn_spans (list of [start, end)): one per model turn, over input_ids
   teacher_logprobs, behavior_logprobs, ref_logprobs (optional list[float], aligned with input_ids)
+  masked (optional bool, written only when true): the trajectory failed for its infrastructure (its sandbox
+    did not start, its engine failed), not the agent: left out of its group's statistics and of the loss
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Rollout:
     teacher_logprobs: list[float] | None = None
     behavior_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
+    masked: bool = False  # an infrastructure failure (sandbox, engine): out of the group's statistics and the loss
 
     @property
     def key(self) -> tuple[str, int]:
@@ -49,7 +52,7 @@ class Rollout:
     def to_json(self) -> dict:
         d = asdict(self)
         d["turn_spans"] = [list(s) for s in self.turn_spans]
-        return {k: v for k, v in d.items() if v is not None}
+        return {k: v for k, v in d.items() if v is not None and (k != "masked" or v)}
 
 
 def _fail(where: str, msg: str) -> UsageError:
@@ -70,7 +73,7 @@ def parse_rollout(obj: object, where: str) -> Rollout:
     """Validate one decoded JSON object; errors name `where` (file:line) and the field."""
     if not isinstance(obj, dict):
         raise _fail(where, "expected a JSON object (one trajectory per line)")
-    known = {"group_id", "sample_index", "input_ids", "loss_mask", "reward", "turn_spans", *_OPTIONAL_FLOATS}
+    known = {"group_id", "sample_index", "input_ids", "loss_mask", "reward", "turn_spans", "masked", *_OPTIONAL_FLOATS}
     for k in obj:
         if k not in known:
             raise _fail(where, f"unknown field {k!r} (known: {', '.join(sorted(known))})")
@@ -106,7 +109,8 @@ def parse_rollout(obj: object, where: str) -> Rollout:
             raise _fail(where, f"field 'turn_spans'[{j}] must be a pair [start, end) of integers")
         s, e = sp
         if not (prev_end <= s < e <= len(ids)):
-            raise _fail(where, f"field 'turn_spans'[{j}] = [{s}, {e}) is not sorted, empty or past len(input_ids)={len(ids)}")
+            raise _fail(where, f"field 'turn_spans'[{j}] = [{s}, {e}) is not sorted, "
+                               f"empty or past len(input_ids)={len(ids)}")
         clean.append((s, e))
         prev_end = e
     covered = [0] * len(ids)
@@ -123,7 +127,10 @@ def parse_rollout(obj: object, where: str) -> Rollout:
         if v is not None and not (numbers and len(v) == len(ids)):
             raise _fail(where, f"field {k!r} must be a list of {len(ids)} finite numbers aligned with 'input_ids'")
         extras[k] = [float(x) for x in v] if v is not None else None
-    return Rollout(gid, si, list(ids), list(mask), float(r), clean, **extras)
+    masked = obj.get("masked", False)
+    if type(masked) is not bool:
+        raise _fail(where, "field 'masked' must be true or false")
+    return Rollout(gid, si, list(ids), list(mask), float(r), clean, **extras, masked=masked)
 
 
 def read_rollouts(path: str | Path) -> list[Rollout]:

@@ -63,7 +63,7 @@ class Rows:
     torn: bool = False  # the last line had no newline (left out under DROP_LAST)
 
     def numbered(self) -> list[tuple[int, dict]]:
-        return list(zip(self.lines, self.rows))
+        return list(zip(self.lines, self.rows, strict=False))
 
 
 def _text(p: Path) -> str:

@@ -135,7 +135,7 @@ def plan_sweep(experiments: Sequence[str | Path], *, schedules: Sequence[str] = 
                              "raise --rounds or lower --warmup")
         bases[base.name] = (str(path), base)
     runs = []
-    for name, (path, base) in bases.items():
+    for name, (_path, base) in bases.items():
         for seed in seeds:
             for schedule in schedules:
                 run_dir = out / name / schedule / f"seed{seed}"
@@ -163,7 +163,8 @@ def _planned(cfg: TrainConfig, run_dir: Path) -> PlannedRun:
     try:
         stored = log.config()
     except ConfigError as e:
-        raise UsageError(f"{run_dir}: its config.yaml does not load ({e}); move the directory away or use --out") from None
+        raise UsageError(f"{run_dir}: its config.yaml does not load ({e}); "
+                         "move the directory away or use --out") from None
     diff = config_diff(stored, cfg, ignore=("rounds", "run"))
     if diff:
         raise UsageError(f"{run_dir} holds a run with another config ({', '.join(diff[:6])} differ); "

@@ -28,6 +28,7 @@ class Item:
     positions: int | None = None  # token positions of this item's own backward (GRPO: T_i; OPD turn: its end)
     trajectory: str | None = None  # OPD: the trajectory of this turn (its queued turns share one backward)
     last: bool = False  # OPD: the turn was known to be its trajectory's last as it closed (its row may start here)
+    group: str | None = None  # the item's group (GRPO group, OPD prompt): granularity group, arrival correlation
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class RoundTrace:
     batch_positions: int | None = None  # sync traces: token positions the batch backward computed (`learner_work`)
     work_positions: int | None = None  # token positions the round's backwards covered, any schedule (`learner_work`)
     ends: tuple[tuple[str, float, int | None], ...] = ()  # OPD: (trajectory, its end at the learner s, its tokens)
+    teacher_busy_s: float | None = None  # OPD: the teacher's scoring seconds in the round (`teacher` event)
+    teacher_positions: int | None = None  # OPD: the token positions the teacher's forwards covered
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,9 @@ def _from_minimal(p: Path, rows: list[tuple[int, dict]]) -> Trace:
     for n, row in rows:
         rnd = _num(p, n, row, "round", required=False)
         tok = _num(p, n, row, "tokens", required=False)
+        gid = row.get("group_id")
         item = Item(_num(p, n, row, "finished_at_s"), _num(p, n, row, "learner_cost_s"),
-                    int(tok) if tok is not None else None)
+                    int(tok) if tok is not None else None, group=None if gid in (None, "") else str(gid))
         by_round.setdefault(int(rnd) if rnd is not None else 1, []).append(item)
     if not by_round:
         raise UsageError(f"{p}: no rows (expected finished_at_s, learner_cost_s[, round])")
@@ -142,7 +146,8 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
     for n, row in rows:
         r = rounds.setdefault(int(_num(p, n, row, "round")), {
             "items": [], "batch": 0.0, "has_batch": False, "step": None, "sync": None, "learners": None,
-            "end": None, "stale": False, "padded": True, "rollout": None, "positions": None, "ends": []})
+            "end": None, "stale": False, "padded": True, "rollout": None, "positions": None, "ends": [],
+            "teacher": (None, None)})
         ev = row.get("event")
         if ev == "item":
             r["items"].append((n, row))
@@ -162,6 +167,9 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
             tok = _num(p, n, row, "tokens", required=False)
             r["ends"].append((f"{row['group_id']}/{row.get('sample_index')}", _num(p, n, row, "finished_at_s"),
                               int(tok) if tok is not None else None))
+        elif ev == "teacher":  # OPD: the teacher's busy seconds and forward positions
+            pos = _num(p, n, row, "positions", required=False)
+            r["teacher"] = (_num(p, n, row, "busy_s"), None if pos is None else int(pos))
         elif ev == "round_end":
             r["end"] = _num(p, n, row, "at_s", required=False)
             r["learners"] = int(row["learners"]) if row.get("learners") else None
@@ -183,7 +191,8 @@ def _from_events(p: Path, rows: list[tuple[int, dict]], metrics: list[dict], kin
             continue
         out.append(RoundTrace(k, _round_items(p, r), r["step"], r["sync"], r["learners"], measured.get(k),
                               r["batch"] if r["has_batch"] else None, r["rollout"],
-                              r["positions"] if r["has_batch"] else None, r["positions"], tuple(r["ends"])))
+                              r["positions"] if r["has_batch"] else None, r["positions"], tuple(r["ends"]),
+                              *r["teacher"]))
     return Trace(str(p), kind, schedule, tuple(out), measured_from)
 
 
@@ -209,8 +218,9 @@ def _round_items(p: Path, r: dict) -> tuple[Item, ...]:
             total = sum(tokens)
             shares = [t / total for t in tokens] if total > 0 else [1 / len(rows)] * len(rows)
             costs = [r["batch"] * s for s in shares]
-    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t, *_backward_of(p, n, row), bool(row.get("last")))
-                 for (n, row), c, t in zip(rows, costs, lengths))
+    return tuple(Item(_num(p, n, row, "finished_at_s"), c, t, *_backward_of(p, n, row), bool(row.get("last")),
+                      None if row.get("group_id") is None else str(row["group_id"]))
+                 for (n, row), c, t in zip(rows, costs, lengths, strict=True))
 
 
 def _backward_of(p: Path, n: int, row: dict) -> tuple[int | None, str | None]:

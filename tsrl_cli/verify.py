@@ -42,7 +42,7 @@ from tsrl_cli.policy import (
 )
 from tsrl_cli.processes import init_worker
 from tsrl_cli.rl.group import LearnerGroup, ShardedGrads
-from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
+from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss, packs
 from tsrl_cli.rollouts import Rollout, read_rollouts
 
 ORDERS = ("random", "given", "reverse")
@@ -137,7 +137,7 @@ def arrival_order(items: list, order: str, seed: int) -> list:
 
 def save_safetensors(path: Path, names: list[str], grads: list[torch.Tensor]) -> None:
     with atomic_path(path) as tmp:
-        save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads)}, str(tmp))
+        save_file({n: g.detach().contiguous().cpu() for n, g in zip(names, grads, strict=False)}, str(tmp))
 
 
 @dataclass
@@ -175,7 +175,9 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
     if lc.activation_checkpointing:
         checkpoint_activations(model)
     sl = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens,
-                       max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens, opd_unit=lc.opd_unit)
+                       max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens, opd_unit=lc.opd_unit,
+                       granularity=lc.granularity,
+                       packed=packs(lc.packing, str(next(model.parameters()).device), model))
     t0 = time.perf_counter()
     stream = feed(sl, items, queued)
     t_stream = time.perf_counter() - t0
@@ -224,7 +226,8 @@ def sharded_stream(opts: VerifyOptions, rollouts: list[Rollout], obj: Objective,
             except queue.Empty:
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    raise OperationFailed(f"learner rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                    raise OperationFailed(f"learner rank {dead[0]} exited with code "
+                                          f"{procs[dead[0]].exitcode}") from None
         if kind == "error":
             rank, tb = payload
             raise OperationFailed(f"learner rank {rank} failed: {tb.strip().splitlines()[-1]}\n{tb}")
@@ -238,7 +241,8 @@ def sharded_stream(opts: VerifyOptions, rollouts: list[Rollout], obj: Objective,
         shutil.rmtree(store, ignore_errors=True)
 
 
-def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOptions, items, obj: Objective, q) -> None:
+def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOptions, items, obj: Objective,
+                 q) -> None:
     """One rank of `sharded_stream`: shard the policy, stream the arrivals, hand back the full gradient."""
     try:
         init_worker()
@@ -252,7 +256,8 @@ def _verify_rank(rank: int, devices: tuple[str, ...], store: str, opts: VerifyOp
         sl = StreamLearner(model, obj, Counter(r.group_id for r, k in items if k in (None, 0)), grads=grads,
                            rank=rank, world=len(devices), max_tokens=lc.max_microbatch_tokens,
                            max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens,
-                           opd_unit=lc.opd_unit)
+                           opd_unit=lc.opd_unit, granularity=lc.granularity,
+                           packed=packs(lc.packing, devices[rank], model))
         grads.emit(feed(sl, items, opts.queued), sl.zero_loss)
         full = {n: p.grad.full_tensor().detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
         mine = {"backwards": sl.backwards, "microbatches": len(sl.batches), "buffer_bytes_per_set": sl.acc.param_bytes,
@@ -289,7 +294,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         rollouts = read_rollouts(opts.rollouts)
         for r in rollouts:
             if max(r.input_ids) >= vocab:
-                raise UsageError(f"{opts.rollouts}: rollout {r.key} has token id {max(r.input_ids)} >= the model's vocabulary ({vocab})")
+                raise UsageError(f"{opts.rollouts}: rollout {r.key} has token id {max(r.input_ids)} >= the model's "
+                                 f"vocabulary ({vocab})")
         source = opts.rollouts
     else:
         if opts.groups < 1 or opts.group_size < 1:
@@ -302,7 +308,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         progress(f"scoring {len(rollouts)} rollouts with teacher {spec}")
         teacher, _ = load_policy(spec, dtype=dtype, seed=opts.seed, tokenizer=False)
         if teacher.get_input_embeddings().weight.shape[0] < vocab:
-            raise UsageError(f"--teacher {spec}: vocabulary smaller than the student's ({vocab}); OPD needs one tokenizer")
+            raise UsageError(f"--teacher {spec}: vocabulary smaller than the student's ({vocab}); "
+                             "OPD needs one tokenizer")
         for r in rollouts:  # the whole sequence at once: by causality, what per-turn scoring gives
             r.teacher_logprobs = score_tokens(teacher, r.input_ids)
         del teacher
@@ -364,6 +371,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "max_microbatch_tokens": lc.max_microbatch_tokens,
         "max_microbatch_items": lc.max_microbatch_items,
         "opd_unit": lc.opd_unit if obj.kind == "opd" else None,
+        "granularity": lc.granularity,
+        "adv_std": obj.loss.adv_std if obj.kind == "grpo" else None,
     }
     if ranks is not None:  # the sharded group's own figures (the single-process ones above are the reference's)
         result.update(stream_backwards=ranks[0]["backwards"], microbatches=ranks[0]["microbatches"],

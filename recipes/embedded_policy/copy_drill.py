@@ -80,7 +80,8 @@ def main() -> None:
         spec = ts.FAMILIES[g.choice(families)](g, words, exts)
         return {"task_id": "drill", "kind": "terminal", "instruction": spec.instruction,
                 "messages": [{"role": "assistant",
-                              "content": f"THOUGHT: This does what the task asks.\n```bash\n{spec.solution[0]}\n```"}]}, spec
+                              "content": "THOUGHT: This does what the task asks.\n"
+                                         f"```bash\n{spec.solution[0]}\n```"}]}, spec
 
     def family_batch(bs: int = 16):
         out = []

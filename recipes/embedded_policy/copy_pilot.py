@@ -95,7 +95,8 @@ def main() -> None:
                     seed=a.seed)
     t0 = time.perf_counter()
     log = train_sft(model, seqs, cfg, pad_id=tok.pad_token_id)
-    report = {"n_synth": len(synth), "n_demos": len(demos), "steps": len(log), "sft_s": round(time.perf_counter() - t0, 1),
+    report = {"n_synth": len(synth), "n_demos": len(demos), "steps": len(log),
+              "sft_s": round(time.perf_counter() - t0, 1),
               "last_loss": log[-1]["loss"] if log else None}
     if a.out:
         model.to(torch.bfloat16).save_pretrained(a.out)

@@ -20,7 +20,8 @@ tsrl_cli/embedded/policy/copy_curriculum.py, which `tsrl prepare-data embedded` 
 default (tsrl_cli/embedded/policy/build.py: both branches at epoch 3, repair demos 4x for the student,
 the teacher taught the solved demonstrations only, repair 8x).
 
-  .venv/bin/python recipes/embedded_policy/copy_policy.py --out /tmp/copy-policy --stop-after 2 --export data/copy_policy
+  .venv/bin/python recipes/embedded_policy/copy_policy.py --out /tmp/copy-policy --stop-after 2 \
+      --export data/copy_policy
 
 (the first copy policy: student = epoch 1, teacher = epoch 2 of the default 6-epoch schedule; about
 25 min on 2 shared cores, results/LOG.md 2026-12-01)
@@ -64,7 +65,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--drill-steps", type=int, default=2000)
     ap.add_argument("--family-steps", type=int, default=500)
-    ap.add_argument("--epochs", type=int, default=6, help="phase C epochs over the demonstrations (sets the lr schedule)")
+    ap.add_argument("--epochs", type=int, default=6,
+                    help="phase C epochs over the demonstrations (sets the lr schedule)")
     ap.add_argument("--stop-after", type=int, default=None, help="end after this many epochs (schedule kept)")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--sft-lr", type=float, default=5e-4, help="phase C peak lr (cosine down to a tenth)")

@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tsrl_cli.core.accumulator import RoundGradAccumulator
 from tsrl_cli.core.advantages import group_stats
@@ -35,10 +37,13 @@ def reference(items, norm_by_std=True, eps=1e-6, z=1.0):
         groups.setdefault(gid, []).append((r, grads))
     for members in groups.values():
         r = torch.tensor([m[0] for m in members], dtype=torch.float64)
-        mean, std = (r.mean(), r.std()) if len(r) > 1 else (torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        if len(r) > 1:
+            mean, std = r.mean(), r.std()
+        else:
+            mean, std = torch.tensor(0.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
         adv = (r - mean) / (std + eps) if norm_by_std else r - mean
-        for a, (_, grads) in zip(adv.tolist(), members):
-            for o, gr in zip(out, grads):
+        for a, (_, grads) in zip(adv.tolist(), members, strict=True):
+            for o, gr in zip(out, grads, strict=True):
                 o += a * gr.double()
     return [o * z for o in out]
 
@@ -64,7 +69,8 @@ def stats_of(rewards, norm_by_std=True):
 
 
 def rel(a, b):
-    return max(float((x.double() - y).abs().max()) for x, y in zip(a, b)) / max(float(y.abs().max()) for y in b)
+    diff = max(float((x.double() - y).abs().max()) for x, y in zip(a, b, strict=True))
+    return diff / max(float(y.abs().max()) for y in b)
 
 
 def params_of(dtype):
@@ -143,9 +149,9 @@ def test_members_sharing_a_reward_fold_at_once(norm_by_std):
     items.append(("anchor", 1.0, [torch.ones(s, dtype=torch.float64) for s in SHAPES]))
     acc = RoundGradAccumulator(params_of(torch.float64))
     classes: dict = {}
-    for gid, r, grads in items[:-1]:
+    for _gid, r, grads in items[:-1]:
         prev = classes.get(r)
-        classes[r] = grads if prev is None else [a + b for a, b in zip(prev, grads)]
+        classes[r] = grads if prev is None else [a + b for a, b in zip(prev, grads, strict=True)]
     for r, grads in reversed(list(classes.items())):  # one fold per reward value, in another order
         acc.add_member("g0", r, grads, norm_by_std)
     acc.close_group("g0", stats_of(rewards, norm_by_std))
@@ -176,9 +182,6 @@ def test_units_defer_their_scalar():
 
 
 # ---- property test: random group sizes, reward kinds and interleavings ----------------------
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 
 @settings(max_examples=60, deadline=None)
 @given(

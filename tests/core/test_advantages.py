@@ -24,7 +24,8 @@ def test_hand_derived_binary_group():
     adv = group_normalized(torch.tensor([1.0, 0.0, 0.0, 1.0]))
     s = math.sqrt(1 / 3)
     assert adv.dtype == torch.float64
-    assert adv.tolist() == pytest.approx([0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6)], rel=1e-15)
+    assert adv.tolist() == pytest.approx([0.5 / (s + 1e-6), -0.5 / (s + 1e-6), -0.5 / (s + 1e-6), 0.5 / (s + 1e-6)],
+                                         rel=1e-15)
 
 
 def test_eps_is_verl_1e6():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,7 +22,8 @@ def test_rates_and_the_projection_are_the_timings_arithmetic(grad_dtype, bytes_p
     n = 3 * (1 << 20) + 5
     res = subprocess.run([sys.executable, "experiments/host_fold.py", "--elements", str(n), "--threads", "1,2",
                           "--grad-dtype", grad_dtype, "--repeats", "2", "--params", "1e9", "--ranks", "4",
-                          "--folds", "10", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+                          "--folds", "10", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["bytes_per_element"] == bytes_per and out["torch_threads"] == 1

@@ -46,6 +46,6 @@ def test_measured_buffers_match_the_shapes(adv_norm, sets):
 def test_attention_adapters_are_smaller_than_all_linear():
     m = _load()
     qv = m.one_mode(_args(count_only=True, device="meta"), lora_rank=8)
-    every = m.one_mode(_args(count_only=True, device="meta", targets=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                      "gate_proj", "up_proj", "down_proj")), lora_rank=8)
+    all_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    every = m.one_mode(_args(count_only=True, device="meta", targets=all_linear), lora_rank=8)
     assert qv["open_over_model"] < every["open_over_model"]

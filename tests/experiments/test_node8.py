@@ -69,12 +69,14 @@ def test_doctor_on_this_machine_names_the_missing_gpus(name, tmp_path, monkeypat
 
 @pytest.mark.parametrize("name", FILES)
 def test_on_a_node_of_8_only_data_models_and_packages_remain(name, tmp_path, monkeypatch):
-    """Positive control: with 8 GPUs, NCCL, vLLM, peft and Docker, the devices and packages all pass."""
+    """Positive control: with 8 GPUs, NCCL, the gpu extra's torch and vLLM, peft and Docker, the devices and
+    packages all pass."""
     monkeypatch.chdir(tmp_path)
     facts = machine_facts()
     node = dataclasses.replace(
         facts, gpus=tuple(GPU(i, "NVIDIA H200", 141 * 2**30) for i in range(8)), nccl=True, docker_daemon=True,
-        versions=facts.versions | {"vllm": "0.33.0", "peft": "0.13.0", "docker": "7.1.0"})
+        versions=facts.versions | {"torch": "2.14.0", "vllm": "0.33.0", "peft": "0.13.0", "docker": "7.1.0"},
+        vllm_dist="vllm")  # the gpu extra installed: its torch and vLLM pins hold
     missing = {c.what.split()[0] for c in plan_checks(load_config(NODE8 / name), node) if not c.ok}
     assert missing == ({"model.policy", "model.teacher", "data.train"} if name.startswith("opd")
                        else {"model.policy", "data.train"})

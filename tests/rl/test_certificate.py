@@ -94,7 +94,8 @@ def test_tis_weights_reach_the_open_groups_buffers(tiny64):
     cap = 2.0
 
     def lazy_weights(logp):
-        return tis_weights(logp, pad_rows([r.behavior_logprobs for r in ro], logp.shape[1], logp.dtype, logp.device), cap)
+        behavior = pad_rows([r.behavior_logprobs for r in ro], logp.shape[1], logp.dtype, logp.device)
+        return tis_weights(logp, behavior, cap)
 
     params = [p for p in tiny64.parameters() if p.requires_grad]
     lazy = torch.autograd.grad(lazy_loss(tiny64, ro, obj, token_weights=lazy_weights), params)

@@ -142,7 +142,8 @@ def test_under_torchrun_each_process_is_a_rank(reference, tmp_path):
     """torchrun --nproc-per-node 2 (env:// rendezvous): rank 0 runs the run, rank 1 is a learner rank."""
     d = tmp_path / "run"
     port = str(29400 + os.getpid() % 500)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port, *cli(d, "cpu:2")[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
+           *cli(d, "cpu:2")[1:]]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads(res.stdout)["rounds"] == ROUNDS  # one summary: rank 0's

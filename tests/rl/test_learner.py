@@ -52,7 +52,7 @@ def scored(tiny64, teacher64):
     return with_scores(tiny64, teacher64, round_with_sizes())
 
 
-def O(kind="grpo", **loss) -> Objective:
+def O(kind="grpo", **loss) -> Objective:  # noqa: E743 (short: called in nearly every test here)
     """An Objective from loss settings given by name (config.LossConfig's fields)."""
     return Objective(kind, LossConfig(**loss))
 
@@ -148,7 +148,8 @@ def test_detects_a_wrong_reward(tiny64, scored):
     assert compare([""] * len(lazy), lazy, stream)["max_rel_diff"] > 1e-6
 
 
-@pytest.mark.parametrize("kind,mode", [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("opd", "seq-mean-token-mean")])
+@pytest.mark.parametrize("kind,mode",
+                         [("grpo", "token-mean"), ("grpo", "seq-mean-token-mean"), ("opd", "seq-mean-token-mean")])
 @pytest.mark.parametrize("cap", [0, 1, 2])
 def test_max_open_groups_stays_exact_and_caps_memory(tiny64, scored, kind, mode, cap):
     # OPD per turn: a trajectory's turns fold into its unit buffer until it ends (under learner.opd_unit trajectory

@@ -43,16 +43,16 @@ def test_updates_below_bf16_resolution_still_move_the_weights(toy_policies, tmp_
     lrn, start = runs["auto"]
     assert lrn.masters is not None and all(m.dtype == torch.float32 for m in lrn.opt_params)
     assert all(p.dtype == torch.bfloat16 for p in lrn.params)
-    for p, m, w0 in zip(lrn.params, lrn.opt_params, start):
+    for p, m, w0 in zip(lrn.params, lrn.opt_params, start, strict=True):
         assert torch.allclose(m, w0.float() - STEPS * LR, rtol=1e-5, atol=1e-6)  # every update kept
         assert torch.equal(p, m.to(torch.bfloat16))  # the model holds their cast
-    moved = sum(int((p != w0).sum()) for p, w0 in zip(lrn.params, start))
+    moved = sum(int((p != w0).sum()) for p, w0 in zip(lrn.params, start, strict=True))
     assert moved == sum(p.numel() for p in lrn.params)  # 100 x 5e-5 = 5e-3: past every weight's rounding
     none, start = runs["none"]  # the positive control: bf16 AdamW
     assert none.masters is None and none.opt_params is none.params
     big = [w0.abs() >= 2 ** -5 for w0 in start]
     assert sum(int(b.sum()) for b in big) > 100  # the norms' 1.0 and the tails of the random weights
-    assert all(torch.equal(p[b], w0[b]) for p, w0, b in zip(none.params, start, big))  # never moved
+    assert all(torch.equal(p[b], w0[b]) for p, w0, b in zip(none.params, start, big, strict=True))  # never moved
 
 
 def test_masters_resume_exactly_from_optimizer_pt(toy_policies, tmp_path):
@@ -63,12 +63,12 @@ def test_masters_resume_exactly_from_optimizer_pt(toy_policies, tmp_path):
     assert all(t.dtype == torch.float32 for t in sd[MASTER_KEY].values())
     assert all(s["exp_avg"].dtype == torch.float32 for s in sd["state"].values())  # AdamW moments in float32
     again = make(toy_policies, tmp_path / "b", ckpt)
-    assert all(torch.equal(a, b) for a, b in zip(lrn.opt_params, again.opt_params))  # not the bf16 cast
-    assert any(not torch.equal(m, p.float()) for m, p in zip(again.opt_params, again.params))
+    assert all(torch.equal(a, b) for a, b in zip(lrn.opt_params, again.opt_params, strict=True))  # not the bf16 cast
+    assert any(not torch.equal(m, p.float()) for m, p in zip(again.opt_params, again.params, strict=True))
     steps(lrn, 3, seed=1)
     steps(again, 3, seed=1)
-    assert all(torch.equal(a, b) for a, b in zip(lrn.opt_params, again.opt_params))
-    assert all(torch.equal(a, b) for a, b in zip(lrn.params, again.params))
+    assert all(torch.equal(a, b) for a, b in zip(lrn.opt_params, again.opt_params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(lrn.params, again.params, strict=True))
 
 
 def test_float_models_default_to_no_masters(toy_policies, tmp_path):

@@ -83,8 +83,8 @@ def test_bf16_masters_on_a_group_follow_the_single_process(toy_policies, tmp_pat
     bf16 = ["model.dtype=bfloat16", "optim.optimizer=sgd", "optim.lr=1e-3", "optim.grad_clip=0",
             "rollout.batch_invariant=true", "learner.microbatch='off'"]  # one row per backward: no bf16 padding effects
     one = run(tmp_path / "one", "stream", *bf16)
-    two = run(tmp_path / "two", "stream", *bf16, "learner.activation_checkpointing=true", "learner.logits_chunk_tokens=4",
-              learners="cpu:2")  # and the other two options, in bf16
+    two = run(tmp_path / "two", "stream", *bf16, "learner.activation_checkpointing=true",
+              "learner.logits_chunk_tokens=4", learners="cpu:2")  # and the other two options, in bf16
     names = [n for n, _ in load_policy(str(ckpt(one, 0)), tokenizer=False)[0].named_parameters()]
     init = weights(one, 0)
     grads = {}

@@ -49,7 +49,7 @@ def scored(tiny64, teacher64):
     return ro
 
 
-def O(kind="grpo", reg=False, **loss):
+def O(kind="grpo", reg=False, **loss):  # noqa: E743 (short: called in nearly every test here)
     extra = dict(kl_coef=0.1, kl_type="k3", entropy_coef=0.01) if reg else {}
     return Objective(kind, LossConfig(norm_constant=C, **extra, **loss))
 
@@ -157,7 +157,7 @@ def test_host_buffers_folded_by_a_thread_are_the_inline_sums(tiny64, scored):
         assert sl.host_fold.folds > 0 and (sl.host_fold._thread is None)  # closed at round close
         if threaded:  # an open group's members fold into S_r and S_1 from one host copy
             assert 0 < sl.host_fold.copies < sl.host_fold.folds
-    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+    assert all(torch.equal(a, b) for a, b in zip(out[False], out[True], strict=True))
     params = [p for p in tiny64.parameters() if p.requires_grad]
     ref = torch.autograd.grad(lazy_loss(tiny64, scored, obj), params)
     assert compare([""] * len(ref), list(ref), out[True])["max_rel_diff"] <= 1e-10

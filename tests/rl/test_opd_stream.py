@@ -30,7 +30,7 @@ class ScriptedLearner:
         self.version = 0
         self.limits = []
 
-    def engine(self, plan):
+    def round_learner(self, plan):
         return StreamLearner(self.model, self.obj, plan.group_sizes(), max_items=1)  # one row per backward
 
     def receive(self, plan, block, limit=None):
@@ -73,7 +73,8 @@ def _run(model, ro, coalesce):
     obj = Objective("opd", LossConfig())
     a, b = ro
     # burst 1: a's turns 0 and 1 (a busy learner found both queued); then b's three turns one by one; the ends
-    bursts = [[_turn(a, 0), _turn(a, 1)], [_turn(b, 0)], [_turn(b, 1)], [_turn(a, 2), _turn(b, 2)], [_done(a), _done(b)]]
+    bursts = [[_turn(a, 0), _turn(a, 1)], [_turn(b, 0)], [_turn(b, 1)], [_turn(a, 2), _turn(b, 2)],
+              [_done(a), _done(b)]]
     sizes = Counter(r.group_id for r in ro)
     plan = RoundPlan(1, tuple(GroupSpec(g, "t", n) for g, n in sizes.items()))
     learner = ScriptedLearner(model, obj, bursts, coalesce)

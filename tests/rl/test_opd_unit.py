@@ -111,7 +111,8 @@ def test_held_turns_are_not_work_until_the_end(tiny64, four_turns):
 @pytest.mark.slow
 @pytest.mark.parametrize("turns", [8, 16, 32])
 def test_long_horizons_cost_the_lazy_batch(turns):
-    res = H.measure(turns, repeat=1, hidden=16, layers=1, units=("trajectory", "turn") if turns == 8 else ("trajectory",))
+    units = ("trajectory", "turn") if turns == 8 else ("trajectory",)
+    res = H.measure(turns, repeat=1, hidden=16, layers=1, units=units)
     rows = {r["opd_unit"]: r for r in res["rows"]}
     lazy, traj = rows[None], rows["trajectory"]
     assert traj["positions_over_lazy_batch"] <= 1.10 and traj["positions_over_sum_T"] <= 1.10

@@ -48,7 +48,8 @@ def test_two_replicas_generate_what_one_engine_does(toy_config):
     if init is not None:  # the weights moved: equality above is not two untrained copies
         assert max(float((ref[k] - init[k]).abs().max()) for k in ref) > 1e-6
     m = rows(runs["cpu:2"], "metrics.jsonl")
-    assert all(r["rollout_replicas"] == 2 and min(r["replica_requests"]) > 0 for r in m), [r["replica_requests"] for r in m]
+    assert all(r["rollout_replicas"] == 2 and min(r["replica_requests"]) > 0 for r in m), \
+        [r["replica_requests"] for r in m]
     assert all(r["weight_sync_hosts"] == 2 and r["weight_sync_bytes"] == 2 * r["weight_bytes"] > 0 for r in m)
     assert all(r["weight_sync_s"] > 0 for r in rows(runs["cpu"], "metrics.jsonl"))
 

@@ -72,7 +72,8 @@ def test_the_journal_gives_back_what_was_written_less_a_torn_line(tmp_path):
     got = replay_of(run, PLAN, version=2, max_staleness=0)
     assert got == [dataclasses.replace(m, finished_at=0.0) for m in msgs]
     assert run.journal_rounds() == [3]
-    assert path.read_text().endswith("\n") and len(run.rows(run.journal_name(3))) == 3  # new rows append after whole ones
+    # new rows append after whole ones
+    assert path.read_text().endswith("\n") and len(run.rows(run.journal_name(3))) == 3
     run.forget_journal(upto=3)
     assert run.journal_rounds() == [] and (tmp_path / "journal").is_dir()  # during a run the folder stays
     run.forget_journal()
@@ -85,7 +86,8 @@ def test_the_journal_gives_back_what_was_written_less_a_torn_line(tmp_path):
                                 "round-2 replays versions 2 only")),
     (ended("c", 0), "trajectory c/0 .* is not in round 3's plan"),
     (ended("a", 2), "trajectory a/2 .* is not in round 3's plan"),
-    (dataclasses.replace(ended("a", 1), task_key="echo/b"), r"trajectory a/1 \(task echo/b, .* is not in round 3's plan"),
+    (dataclasses.replace(ended("a", 1), task_key="echo/b"),
+     r"trajectory a/1 \(task echo/b, .* is not in round 3's plan"),
 ])
 def test_a_row_that_is_not_the_rounds_is_an_error_naming_it(tmp_path, bad, match):
     journal = Journal(str(tmp_path))

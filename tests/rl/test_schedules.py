@@ -46,7 +46,7 @@ def test_tis_loss_equals_lazy_loss_when_on_policy(tiny64):
     params = list(tiny64.parameters())
     g_lazy = torch.autograd.grad(lazy_loss(tiny64, rollouts, obj), params)
     g_tis = torch.autograd.grad(lazy_loss(tiny64, rollouts, obj, token_weights=on(rollouts, 2.0)), params)
-    for a, b in zip(g_lazy, g_tis):
+    for a, b in zip(g_lazy, g_tis, strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
 
 
@@ -57,7 +57,8 @@ def test_tis_loss_weights_each_token(tiny64):
     for x in r:
         x.behavior_logprobs = [v - 0.5 for v in score_tokens(tiny64, x.input_ids)]
     plain = float(lazy_loss(tiny64, r, obj).detach())
-    assert math.isclose(float(lazy_loss(tiny64, r, obj, token_weights=on(r, 10.0)).detach()), math.exp(0.5) * plain, rel_tol=1e-9)
+    assert math.isclose(float(lazy_loss(tiny64, r, obj, token_weights=on(r, 10.0)).detach()), math.exp(0.5) * plain,
+                        rel_tol=1e-9)
     assert math.isclose(float(lazy_loss(tiny64, r, obj, token_weights=on(r, 1.2)).detach()), 1.2 * plain, rel_tol=1e-9)
 
 
@@ -80,7 +81,8 @@ def test_engine_with_tis_equals_lazy_loss_with_tis(tiny64):
     sl.drain()
     got = sl.close_round()
     assert len(sl.batches) > 1  # the cap split the round into micro-batches
-    rel = max(float((a - b).abs().max()) for a, b in zip(ref, got)) / max(float(a.abs().max()) for a in ref)
+    diff = max(float((a - b).abs().max()) for a, b in zip(ref, got, strict=True))
+    rel = diff / max(float(a.abs().max()) for a in ref)
     assert rel < 1e-10
     plain = torch.autograd.grad(lazy_loss(tiny64, rollouts, obj), params)
-    assert max(float((a - b).abs().max()) for a, b in zip(ref, plain)) > 1e-4  # the weights mattered
+    assert max(float((a - b).abs().max()) for a, b in zip(ref, plain, strict=True)) > 1e-4  # the weights mattered

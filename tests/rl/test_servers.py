@@ -87,8 +87,10 @@ def test_openai_engine_matches_in_process_and_survives_a_lost_server(toy_config,
     finally:
         a.shutdown()
         b.shutdown()
-    got = {(r["round"], r["group_id"], r["sample_index"]): r["input_ids"] for r in rows(cfg.run_dir(), "rollouts.jsonl")}
-    want = {(r["round"], r["group_id"], r["sample_index"]): r["input_ids"] for r in rows(ref.run_dir(), "rollouts.jsonl")}
+    got = {(r["round"], r["group_id"], r["sample_index"]): r["input_ids"]
+           for r in rows(cfg.run_dir(), "rollouts.jsonl")}
+    want = {(r["round"], r["group_id"], r["sample_index"]): r["input_ids"]
+            for r in rows(ref.run_dir(), "rollouts.jsonl")}
     assert len(want) == 16 and got == want
     wa, wb = weights(ref.run_dir(), 2), weights(cfg.run_dir(), 2)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-9
@@ -113,8 +115,8 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TSRL_API_KEY": KEY}  # the recipe's way: the key in the environment of both sides
     srv = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "serve", "--model", str(toy_policies[0]), "--dtype",
-                            "float64", "--port", "0"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                            "float64", "--port", "0"],
+                           cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = []
     try:
         url = srv.stdout.readline().split()[2]  # "tsrl serve: http://127.0.0.1:PORT (model ...)"
@@ -130,13 +132,16 @@ def test_two_nodes_under_torchrun_with_a_remote_server(toy_config, toy_policies,
                  "train", *sets, "--learner-devices", "cpu", "--schedule", "stream", "--rounds", "2", "--out", str(out),
                  "--json"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results = [p.communicate(timeout=600) for p in procs]
-        for p, (_, err) in zip(procs, results):
+        for p, (_, err) in zip(procs, results, strict=True):
             assert p.returncode == 0, err[-3000:]
     finally:
         for p in [*procs, srv]:
             if p.poll() is None:
                 p.kill()
-    key = lambda r: (r["round"], r["group_id"], r["sample_index"])
+
+    def key(r):
+        return r["round"], r["group_id"], r["sample_index"]
+
     assert {key(r): r["input_ids"] for r in rows(out, "rollouts.jsonl")} == \
         {key(r): r["input_ids"] for r in rows(ref.run_dir(), "rollouts.jsonl")}
     wa, wb = weights(ref.run_dir(), 2), weights(out, 2)

@@ -43,7 +43,7 @@ def test_echo_table_and_toy_specs():
 def test_run_agent_on_turn_sees_each_closed_turn(tok):
     from tsrl_cli.agent.loop import run_agent
     from tsrl_cli.agent.renderer import ChatMLRenderer
-    from tsrl_cli.engines.base import TurnBatcher
+    from tsrl_cli.engines.batching import TurnBatcher
     from tsrl_cli.engines.scripted import ScriptedEngine
 
     seen = []
@@ -70,7 +70,7 @@ def test_run_agent_marks_the_max_turns_turn_last(tok):
     Control: the same agent with one more turn allowed marks none of the first two."""
     from tsrl_cli.agent.loop import AgentLimits, run_agent
     from tsrl_cli.agent.renderer import ChatMLRenderer
-    from tsrl_cli.engines.base import TurnBatcher
+    from tsrl_cli.engines.batching import TurnBatcher
     from tsrl_cli.engines.scripted import ScriptedEngine
 
     def lasts(max_turns: int) -> list[bool]:

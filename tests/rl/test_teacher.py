@@ -80,7 +80,8 @@ def test_caches_beyond_the_byte_cap_are_dropped_oldest_first(teacher64):
     assert list(scorer.open) == ["b"]  # the newest stays (it is needed for its next turn)
     got, n = scorer.score("a", ids[:26], 20, 26)  # "a" was dropped: scored from scratch, same numbers
     assert n == 26
-    assert torch.allclose(torch.tensor(got), torch.tensor(score_tokens(teacher64, ids[:26], 20, 26)), rtol=0, atol=1e-12)
+    want = score_tokens(teacher64, ids[:26], 20, 26)
+    assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])

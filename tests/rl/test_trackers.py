@@ -51,7 +51,8 @@ def expected_from_jsonl(rows: list[dict]) -> dict[str, dict[int, float]]:
 
 def mismatches(expected: dict, got: dict) -> list[str]:
     keys = expected.keys() | got.keys()
-    return [f"{k}: jsonl {expected.get(k)} != tracker {got.get(k)}" for k in sorted(keys) if expected.get(k) != got.get(k)]
+    return [f"{k}: jsonl {expected.get(k)} != tracker {got.get(k)}" for k in sorted(keys)
+            if expected.get(k) != got.get(k)]
 
 
 def read_tensorboard(logdir: Path) -> dict[str, dict[int, float]]:
@@ -105,7 +106,8 @@ def read_wandb(run_dir: Path) -> tuple[dict[str, dict[int, float]], dict[str, fl
                     if not k.startswith("_"):
                         history.setdefault(k, {})[row["round"]] = v
             elif kind == "summary":
-                summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.summary.update})
+                summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                                for i in rec.summary.update})
     return history, {k: v for k, v in summary.items() if not k.startswith("_")}, ids
 
 

@@ -143,8 +143,8 @@ def test_grpo_kl_seq_mean_sync_equals_stream_float64(toy_config):
     runs = {}
     for s in ("sync", "stream"):
         cfg = toy_config(out=s, schedule=s, rounds=2, **{"model.dtype": "float64", "loss.kl_coef": 0.1,
-                                                         "loss.loss_agg": "seq-mean-token-mean", "loss.adv_norm": "center",
-                                                         "loss.max_open_groups": 1})
+                                                         "loss.loss_agg": "seq-mean-token-mean",
+                                                         "loss.adv_norm": "center", "loss.max_open_groups": 1})
         train(cfg)
         runs[s] = str(cfg.run_dir())
     assert max_rel(weights(runs["sync"], 2), weights(runs["stream"], 2)) < 1e-9
@@ -204,11 +204,14 @@ def test_opd_sync_equals_stream_float64(toy_config, loss_agg):
         teacher = [e for e in ev if e["event"] == "teacher"]
         assert len(work) == len(teacher) == 2
         # the teacher's forwards cover each trajectory's tokens once (its key/value cache), at most sum T_i
-        assert all(t["positions"] <= w["trajectory_tokens"] for t, w in zip(teacher, work))
+        assert all(t["positions"] <= w["trajectory_tokens"] for t, w in zip(teacher, work, strict=True))
     m = rows(runs["stream"], "metrics.jsonl")
     assert all(r["opd_reverse_kl"] is not None and r["peak_mem_teacher_bytes"] for r in m)
     # the overlap itself: some turn's backward ended before its trajectory's last turn was scored
-    traj = lambda e: (e["group_id"], e["sample_index"])
+
+    def traj(e):
+        return e["group_id"], e["sample_index"]
+
     assert early_backwards(rows(runs["stream"], "events.jsonl"), traj, "backward_end_s")
     assert not early_backwards(rows(runs["sync"], "events.jsonl"), traj, "backward_end_s")
 
@@ -277,6 +280,20 @@ def test_bench_speedup_json(toy_policies, tmp_path):
     assert st["rounds_measured"] == 1 and st["accumulator_peak_bytes"] > 0 and "memory_overhead_bytes" in st
 
 
+def test_bench_speedup_measures_stream_per_group(toy_policies, tmp_path):
+    """stream-group: stream with learner.granularity group, measured beside stream; both granularities predicted."""
+    res = CliRunner().invoke(app_(), ["bench", "speedup", "experiments/smoke/tiny_cpu.yaml", "--rounds", "2",
+                                      "--schedules", "sync,stream,stream-group", "--out", str(tmp_path / "b"),
+                                      "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert set(doc["schedules"]) == {"sync", "stream", "stream-group"}
+    cfg = (tmp_path / "b" / "stream-group" / "rep0" / "config.yaml").read_text()
+    assert "granularity: group" in cfg and "schedule: stream" in cfg
+    pred = doc["schedules"]["stream"]["predicted"]
+    assert pred["stream_group_s"] >= pred["stream_s"] > 0  # waiting for a group never drains sooner
+
+
 def app_():
     from tsrl_cli.cli import app
 
@@ -291,7 +308,8 @@ def test_prepared_dataset_in_real_sandboxes(toy_config, tmp_path, prepare_fixtur
                      "rollout.max_turns=2", out="sandbox", rounds=1)
     train(cfg)
     m = rows(cfg.run_dir(), "metrics.jsonl")
-    assert len(m) == 1 and m[0]["trajectories"] == 2 and not any(k.startswith("env_error") for k in m[0]["exit_reasons"])
+    assert len(m) == 1 and m[0]["trajectories"] == 2
+    assert not any(k.startswith("env_error") for k in m[0]["exit_reasons"])
 
 
 @pytest.mark.sandboxed
@@ -330,7 +348,8 @@ def test_sync_per_item_equals_padded_and_stream_float64(toy_config):
     """sync_batching=per_item (stream's per-item backwards after the last arrival) computes the same
     gradient as the padded lazy batch and as stream: only the timing differs."""
     runs = {}
-    for name, sched, mode in (("padded", "sync", "padded"), ("per_item", "sync", "per_item"), ("stream", "stream", "padded")):
+    for name, sched, mode in (("padded", "sync", "padded"), ("per_item", "sync", "per_item"),
+                              ("stream", "stream", "padded")):
         cfg = toy_config(f"sync_batching={mode}", out=name, schedule=sched, rounds=2, **{"model.dtype": "float64"})
         train(cfg)
         runs[name] = str(cfg.run_dir())
@@ -396,8 +415,8 @@ def test_sigterm_stops_the_worker_processes(toy_policies, tmp_path):
     import time
 
     out = tmp_path / "killed"
-    p = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "train", "experiments/smoke/tiny_cpu.yaml", "--rounds", "500",
-                          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([sys.executable, "-m", "tsrl_cli", "train", "experiments/smoke/tiny_cpu.yaml",
+                          "--rounds", "500", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while not rows(out, "metrics.jsonl") and time.monotonic() < deadline and p.poll() is None:
@@ -477,9 +496,10 @@ def _docker_train_args(ds) -> list[str]:
 
 def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, prepare_fixture, docker_base_image):
     """A broken environment is never a reward: a task whose image is present but whose container cannot
-    start (no `sleep` in it) fails its environment start; the run exits 1 with one line naming the round,
-    the task and the cause, and the learner never steps on it. With rollout.max_env_error_frac=1 the
-    same run trains and counts them per round. Images that can be built start (tests/rl/test_train_docker.py)."""
+    start (no `sleep` in it) fails its environment start; past rollout.max_env_error_frac (0.1) of the round the
+    run exits 1 with one line naming the round, the task and the cause, and the learner never steps on it. With
+    rollout.max_env_error_frac=1 the same run trains, counts them per round and masks them. Images that can be
+    built start (tests/rl/test_train_docker.py)."""
     from typer.testing import CliRunner
 
     from tsrl_cli.cli import app
@@ -488,15 +508,15 @@ def test_environment_that_does_not_start_stops_the_run(toy_config, tmp_path, pre
     res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "loud")])
     lines = res.stderr.strip().splitlines()
     assert res.exit_code == 1, res.output[-2000:]
-    assert "could not start their environment (first: task " in lines[-2], lines[-3:]
+    assert "failed for their infrastructure (first: task " in lines[-2], lines[-3:]
     assert lines[-2].startswith("error: the rollout process failed: round 1: "), lines[-3:]
-    assert "rollout.max_env_error_frac is 0" in lines[-2]
+    assert "rollout.max_env_error_frac is 0.1" in lines[-2]
     assert not (tmp_path / "loud" / "metrics.jsonl").is_file() or not rows(tmp_path / "loud", "metrics.jsonl")
     res = CliRunner().invoke(app, [*base, "--set", "rollout.max_env_error_frac=1", "--out", str(tmp_path / "counted"),
                                    "--json"])
     assert res.exit_code == 0, res.output[-2000:]
     m = rows(tmp_path / "counted", "metrics.jsonl")
-    assert m[0]["env_errors"] == 2 and m[0]["exit_reasons"] == {"env_error": 2}
+    assert m[0]["env_errors"] == 2 and m[0]["exit_reasons"] == {"env_error": 2} and m[0]["masked_trajectories"] == 2
 
 
 def test_missing_task_image_is_named_before_round_1(toy_config, tmp_path, prepare_fixture, docker_base_image):

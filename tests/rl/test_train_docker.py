@@ -32,12 +32,14 @@ def base_args(seta, out, *extra):
             "--set", "rollout.max_turns=3", "--set", "rollout.max_turn_tokens=512", "--out", str(out), *extra]
 
 
+@pytest.mark.slow
 def test_oracle_gets_reward_one_on_every_task_and_the_policy_zero(seta, docker_base_image, tmp_path):
     mapping = f"ubuntu:24.04={docker_base_image}"
     res = CliRunner().invoke(app, [*base_args(seta, tmp_path / "oracle", "--rounds", "2", "--base-image", mapping,
                                               "--set", "rollout.agent=oracle", "--save-rollouts"), "--json"])
     assert res.exit_code == 0, res.output[-3000:]
-    assert f"docker: docker.base_images: FROM ubuntu:24.04 is built from the local image {docker_base_image}" in res.stderr
+    built = f"docker: docker.base_images: FROM ubuntu:24.04 is built from the local image {docker_base_image}"
+    assert built in res.stderr
     m = rows(tmp_path / "oracle")
     assert [r["round"] for r in m] == [1, 2]
     for r in m:
@@ -54,6 +56,7 @@ def test_oracle_gets_reward_one_on_every_task_and_the_policy_zero(seta, docker_b
     assert (p["reward_mean"], p["env_errors"]) == (0.0, 0) and "env_error" not in p["exit_reasons"], p
 
 
+@pytest.mark.slow
 def test_unpullable_from_image_is_one_line_naming_the_way_out(seta, docker_base_image, tmp_path):
     """The command a new user types first, on a machine that cannot pull: exit 1 before any round, one
     line naming the task, the FROM image, --base-image and the build log."""
@@ -93,6 +96,7 @@ def test_base_images_only_with_docker_and_well_formed(tmp_path):
     assert res.exit_code == 2 and "expected FROM_IMAGE=LOCAL_IMAGE" in res.stderr
 
 
+@pytest.mark.slow
 def test_env_base_image_prints_the_tag(docker_base_image, monkeypatch):
     res = CliRunner().invoke(app, ["env", "base-image", "--json"])
     assert res.exit_code == 0 and json.loads(res.stdout) == {"image": docker_base_image}, res.output

@@ -28,7 +28,8 @@ def _gap(model, rollouts) -> tuple[float, float]:
         for r in rollouts:
             ids = torch.tensor([r["input_ids"]])
             lp = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
-            diffs += [abs(lp[t] - b) for t, (m, b) in enumerate(zip(r["loss_mask"], r["behavior_logprobs"])) if m]
+            pairs = enumerate(zip(r["loss_mask"], r["behavior_logprobs"], strict=True))
+            diffs += [abs(lp[t] - b) for t, (m, b) in pairs if m]
     return max(diffs), sum(diffs) / len(diffs)
 
 
@@ -85,10 +86,10 @@ def test_train_stream_with_vllm_lora(toy_config):
 
 
 def test_processes_holding_a_tensor_parallel_engine_are_not_daemonic(toy_config):
-    """multiprocessing refuses children to a daemonic process, and a vLLM engine over several devices starts
-    one per device: the process holding it (the rollout process for one replica, engine-k for several) is
-    started non-daemonic; every other process stays daemonic. (The run above fails with "daemonic processes
-    are not allowed to have children" when the rollout process is daemonic.)"""
+    """multiprocessing refuses children to a daemonic process, and a vLLM engine starts its engine core in a
+    process of its own (and over several devices one per device): the process holding it (the rollout process
+    for one replica, engine-k for several) is started non-daemonic; every other process stays daemonic. (The run
+    above fails with "daemonic processes are not allowed to have children" when the rollout process is daemonic.)"""
     from tsrl_cli.rl.replicas import replica_daemonic
 
     one = toy_config("rollout.engine=vllm", "devices.rollout=cpu:2", "rollout.tensor_parallel=2")
@@ -96,5 +97,7 @@ def test_processes_holding_a_tensor_parallel_engine_are_not_daemonic(toy_config)
     single = toy_config("rollout.engine=vllm", "devices.rollout=cpu:2")  # two replicas of one device
     hf = toy_config("devices.rollout=cpu:2")
     assert [replica_daemonic(one, n) for n in ("rollout", "learner")] == [False, True]
-    assert [replica_daemonic(two, n) for n in ("rollout", "engine-0", "engine-1", "learner")] == [True, False, False, True]
-    assert all(replica_daemonic(c, n) for c in (single, hf) for n in ("rollout", "engine-0", "engine-1"))
+    assert [replica_daemonic(two, n) for n in ("rollout", "engine-0", "engine-1", "learner")] == \
+        [True, False, False, True]
+    assert [replica_daemonic(single, n) for n in ("rollout", "engine-0", "engine-1")] == [True, False, False]
+    assert all(replica_daemonic(hf, n) for n in ("rollout", "engine-0", "engine-1"))

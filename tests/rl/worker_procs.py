@@ -19,7 +19,7 @@ def held_at(round_: int, marker: Path) -> dict[str, str]:
     """The environment of a run whose rollout process holds at round_'s start (rl/rollout_worker.py's
     HOLD_ENV): it creates `marker`, then waits while `marker` exists. A test that kills or stops the run
     once `marker` exists strikes mid-round on any machine load, since the run cannot finish first."""
-    from tsrl_cli.rl.rollout_worker import HOLD_ENV
+    from tsrl_cli.rl.faults import HOLD_ENV
 
     return dict(os.environ, **{HOLD_ENV: f"{round_}:{marker}"})
 
@@ -28,7 +28,7 @@ def held_after(round_: int, ended: int, marker: Path) -> dict[str, str]:
     """The environment of a run whose rollout process holds in round_ once `ended` of its trajectories have
     ended (in the journal, on their way to the learner; HOLD_AFTER_ENV): a strike while `marker` exists lands
     mid-round with exactly that many of the round's trajectories done."""
-    from tsrl_cli.rl.rollout_worker import HOLD_AFTER_ENV
+    from tsrl_cli.rl.faults import HOLD_AFTER_ENV
 
     return dict(os.environ, **{HOLD_AFTER_ENV: f"{round_}:{ended}:{marker}"})
 

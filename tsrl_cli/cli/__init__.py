@@ -15,9 +15,9 @@ from tsrl_cli import __version__
 from tsrl_cli.cli.bench import bench_app
 from tsrl_cli.cli.data import data_app, prepare_data
 from tsrl_cli.cli.doctor import DOCTOR_EPILOG, doctor
-from tsrl_cli.cli.plan import PLAN_EPILOG, plan
 from tsrl_cli.cli.env import env_app
 from tsrl_cli.cli.eval import eval_app
+from tsrl_cli.cli.plan import PLAN_EPILOG, plan
 from tsrl_cli.cli.policy import policy_app
 from tsrl_cli.cli.predict import calibrate, predict
 from tsrl_cli.cli.report import report
@@ -51,7 +51,8 @@ app.command(
 )(prepare_data)
 app.command(
     "predict",
-    epilog="Examples:  tsrl predict --trace results/spread/stream/seed42  ·  tsrl predict --trace trace.csv --step-s 0.5 --json"
+    epilog="Examples:  tsrl predict --trace results/spread/stream/seed42  ·  tsrl predict --trace trace.csv "
+           "--step-s 0.5 --json"
            "  ·  tsrl predict --trace run/events.jsonl --learners 2 --spread 2",
 )(predict)
 app.command(
@@ -61,7 +62,8 @@ app.command(
 )(calibrate)
 app.command(
     "report",
-    epilog="Examples:  tsrl report  ·  tsrl report results --out results/report --spread-key rollout.tool_latency_sigma --json",
+    epilog="Examples:  tsrl report  ·  tsrl report results --out results/report --spread-key "
+           "rollout.tool_latency_sigma --json",
 )(report)
 app.add_typer(data_app, name="data")
 app.add_typer(env_app, name="env")

@@ -7,14 +7,24 @@ from typing import Annotated
 import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout (nothing else).")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set rollout.max_turns=4 (repeatable).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set rollout.max_turns=4 "
+                                                                "(repeatable).")]
 TempOpt = Annotated[float, typer.Option(help="Sampling temperature; 0 = greedy.")]
-SeedsOpt = Annotated[list[int] | None, typer.Option("--seed", help="Sampling seed (repeatable: the summary then has one row per seed). Default 0.")]
-OutOpt = Annotated[str | None, typer.Option("--out", help="Output folder (default under results/, named after the model); a re-run with the same settings resumes it.")]
+SeedsOpt = Annotated[list[int] | None, typer.Option("--seed", help="Sampling seed (repeatable: the summary then has "
+                                                                   "one row per seed). Default 0.")]
+OutOpt = Annotated[str | None, typer.Option("--out", help="Output folder (default under results/, named after the "
+                                                          "model); a re-run with the same settings resumes it.")]
 LimitOpt = Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")]
-ChatTemplateOpt = Annotated[str, typer.Option("--chat-template", help="The chat format the agent speaks: auto (the tokenizer's own template when it declares tools, as Qwen3's does; else ChatML) or chatml. Use the training run's model.chat_template.")]
-ThinkingOpt = Annotated[bool, typer.Option("--thinking/--no-thinking", help="The template's enable_thinking (with --chat-template auto on a template that has it). Use the training run's rollout.thinking.")]
-DeviceOpt = Annotated[str | None, typer.Option(help="Where the policy's engine runs: cpu, cuda:N or a CUDA index N. Default: the first GPU when there is one, else cpu. Printed on stderr at the start.")]
+ChatTemplateOpt = Annotated[str, typer.Option("--chat-template", help="The chat format the agent speaks: auto (the "
+                                                                      "tokenizer's own template when it declares "
+                                                                      "tools, as Qwen3's does; else ChatML) or chatml. "
+                                                                      "Use the training run's model.chat_template.")]
+ThinkingOpt = Annotated[bool, typer.Option("--thinking/--no-thinking",
+                                           help="The template's enable_thinking (with --chat-template auto on a "
+                                                "template that has it). Use the training run's rollout.thinking.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="Where the policy's engine runs: cpu, cuda:N or a CUDA index N. "
+                                                    "Default: the first GPU when there is one, else cpu. "
+                                                    "Printed on stderr at the start.")]
 
 
 def announce_device(spec: str | None) -> str:

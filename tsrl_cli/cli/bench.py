@@ -10,6 +10,7 @@ import typer
 
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt, SetOpt
+from tsrl_cli.config import OBJECTIVES, SCHEDULES
 from tsrl_cli.errors import UsageError
 
 bench_app = typer.Typer(name="bench", help="Benchmarks of the round engine.", no_args_is_help=True,
@@ -35,18 +36,26 @@ def _mib(b) -> str:
            "tsrl bench speedup experiments/bench_speedup.yaml --schedules sync,stream --json",
 )
 def speedup(
-    experiment: Annotated[str | None, typer.Argument(help="Experiment YAML (default: the builtin toy workload).")] = None,
+    experiment: Annotated[str | None, typer.Argument(help="Experiment YAML (default: the builtin "
+                                                          "toy workload).")] = None,
     *,
-    schedules: Annotated[str, typer.Option(help="Comma-separated schedules, run in this order each repeat.")] = "sync,stream,async",
+    schedules: Annotated[str, typer.Option(help="Comma-separated schedules, run in this order each repeat; "
+                                           "stream-group: "
+                                           "stream with learner.granularity group.")] = "sync,stream,async",
     rounds: Annotated[int | None, typer.Option(help="Rounds per run (default 6 on the toy workload).")] = None,
     warmup: Annotated[int, typer.Option(help="Rounds left out of the medians at the start of each run.")] = 1,
     repeats: Annotated[int, typer.Option(help="Cycles through the schedules (alternating runs).")] = 1,
-    tool_latency: Annotated[float | None, typer.Option(help="Median injected tool latency, seconds (rollout side of the balance).")] = None,
-    spread: Annotated[float | None, typer.Option(help="Lognormal sigma of the injected latency (duration spread).")] = None,
+    tool_latency: Annotated[float | None, typer.Option(help="Median injected tool latency, "
+                                                            "seconds (rollout side of the balance).")] = None,
+    spread: Annotated[float | None, typer.Option(help="Lognormal sigma of the injected latency "
+                                                      "(duration spread).")] = None,
     hidden: Annotated[int | None, typer.Option(help="Toy policy width (learner side of the balance).")] = None,
     layers: Annotated[int | None, typer.Option(help="Toy policy depth.")] = None,
-    objective: Annotated[str | None, typer.Option(help="grpo | opd.")] = None,
-    sync_batching: Annotated[str | None, typer.Option(help="How sync computes its gradient: padded (one padded batch, default) | per_item (stream's own per-item backwards after the last arrival: the same learner work, so the speedup is overlap alone).")] = None,
+    objective: Annotated[str | None, typer.Option(help=f"{' | '.join(OBJECTIVES)}.")] = None,
+    sync_batching: Annotated[str | None, typer.Option(help="How sync computes its gradient: padded (one padded batch, "
+                                                           "default) | per_item (stream's own per-item "
+                                                           "backwards after the last arrival: the same learner work, "
+                                                           "so the speedup is overlap alone).")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed of every run.")] = None,
     out: Annotated[str | None, typer.Option(help="Folder for the runs (default results/bench/<name>-<time>).")] = None,
     set_: SetOpt = None,
@@ -60,9 +69,12 @@ def speedup(
         from tsrl_cli.config import load_config
         from tsrl_cli.rl.bench import bench_speedup
         chosen = tuple(s.strip() for s in schedules.split(",") if s.strip())
-        bad = [s for s in chosen if s not in ("sync", "stream", "async")]
+        from tsrl_cli.rl.bench import STREAM_GROUP
+
+        bad = [s for s in chosen if s not in (*SCHEDULES, STREAM_GROUP)]
         if bad or not chosen:
-            raise UsageError(f"--schedules: {', '.join(bad) or 'none given'}: use sync, stream and/or async")
+            raise UsageError(f"--schedules: {', '.join(bad) or 'none given'}: use {', '.join(SCHEDULES)} or "
+                             f"{STREAM_GROUP} (stream per group; comma-separated)")
         if repeats < 1 or warmup < 0:
             raise UsageError("--repeats must be >= 1 and --warmup >= 0")
         flags = {"rounds": rounds, "rollout.tool_latency_median_s": tool_latency, "rollout.tool_latency_sigma": spread,
@@ -77,7 +89,8 @@ def speedup(
             h, n, _ = parse_toy_spec(base.model.policy)
             h, n = hidden or h, layers or n
             base = load_config(experiment, ([] if experiment else BENCH_SETS) + (set_ or [])
-                               + [f"model.policy=builtin:toy:h{h}:l{n}", f"model.teacher=builtin:toy:h{h}:l{n}:teacher"],
+                               + [f"model.policy=builtin:toy:h{h}:l{n}",
+                                  f"model.teacher=builtin:toy:h{h}:l{n}:teacher"],
                                flags)
         out_root = out or f"results/bench/{base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         display = TrainDisplay(enabled=not json_out)
@@ -95,7 +108,8 @@ def render(console, base, res: dict) -> None:
     from rich.table import Table
 
     ro = base.rollout
-    t = Table(title=f"tsrl bench speedup: {base.objective}, {base.model.policy}, {ro.prompts_per_round}x{ro.group_size} "
+    t = Table(title=f"tsrl bench speedup: {base.objective}, {base.model.policy}, "
+                    f"{ro.prompts_per_round}x{ro.group_size} "
                     f"trajectories/round, tool latency {ro.tool_latency_median_s} s (sigma {ro.tool_latency_sigma}), "
                     f"sync batching {base.sync_batching}; "
                     f"medians of rounds {res['warmup'] + 1}-{res['rounds']}, {res['repeats']} run(s) each",
@@ -124,4 +138,12 @@ def render(console, base, res: dict) -> None:
                       "batch at the per-item costs)"
                       + (f"; measured/predicted {100 * st['measured_over_predicted']:.0f} %."
                          if st.get("measured_over_predicted") else "."), highlight=False)
+    pred = st.get("predicted") or {}
+    if pred.get("speedup_group") is not None:
+        icc = pred.get("arrival_icc")
+        console.print(f"Granularity: per trajectory (stream) {pred['speedup']:.2f}x, per group "
+                      f"{pred['speedup_group']:.2f}x predicted from stream's trace"
+                      + (f"; within-group arrival ICC {icc:.2f}" if icc is not None else "")
+                      + (" (stream-group above: measured)." if "stream-group" in res["schedules"] else "."),
+                      highlight=False)
     console.print(f"runs in {res['out']}", highlight=False)

@@ -17,24 +17,49 @@ data_app = typer.Typer(
 )
 
 def prepare_data(
-    source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | embedded | swebench-local (a small SWE-bench-format set built here, images included; needs Docker).")],
+    source: Annotated[str, typer.Argument(help="swe-smith | seta-env | swebench-verified | terminal-bench | "
+                                               "embedded | swebench-local (a small SWE-bench-format set built here, "
+                                               "images included; needs Docker).")],
     *,
-    from_: Annotated[str, typer.Option("--from", help="`hub` (needs network and `pip install 'tsrl\\[hub]'`) or a local parquet/jsonl/json file or folder.")] = "hub",
-    out: Annotated[str | None, typer.Option(help="Output folder (default data/<source>, dashes as underscores).")] = None,
-    allow_empty_statement: Annotated[bool, typer.Option("--allow-empty-statement", help="Keep repair tasks whose problem statement is empty (dropped by default).")] = False,
-    language: Annotated[list[str] | None, typer.Option(help="Keep repair tasks in this language (repeatable; from the row, else the patch's file extensions).")] = None,
-    include: Annotated[list[str] | None, typer.Option(help="Keep tasks whose repo (owner/name) or, for terminal tasks, task id matches this glob (repeatable).")] = None,
-    exclude: Annotated[list[str] | None, typer.Option(help="Drop tasks whose repo or task id matches this glob (repeatable).")] = None,
-    dedupe: Annotated[bool | None, typer.Option("--dedupe/--no-dedupe", help="Drop tasks with the same patch (repair) or instruction (terminal). Default: on for training sets, off for evaluation sets.")] = None,
+    from_: Annotated[str, typer.Option("--from", help="`hub` (needs network and `pip install 'tsrl\\[hub]'`) or a "
+                                                      "local parquet/jsonl/json file or folder.")] = "hub",
+    out: Annotated[str | None, typer.Option(help="Output folder (default data/<source>, "
+                                                 "dashes as underscores).")] = None,
+    allow_empty_statement: Annotated[bool, typer.Option("--allow-empty-statement",
+                                                        help="Keep repair tasks whose problem statement is empty "
+                                                             "(dropped by default).")] = False,
+    language: Annotated[list[str] | None, typer.Option(help="Keep repair tasks in this language (repeatable; "
+                                                            "from the row, else the patch's file extensions).")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="Keep tasks whose repo (owner/name) or, for terminal tasks, "
+                                                           "task id matches this glob (repeatable).")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="Drop tasks whose repo or task id matches this glob "
+                                                           "(repeatable).")] = None,
+    dedupe: Annotated[bool | None, typer.Option("--dedupe/--no-dedupe",
+                                                help="Drop tasks with the same patch (repair) or instruction "
+                                                     "(terminal). Default: on for training sets, off for evaluation "
+                                                     "sets.")] = None,
     limit: Annotated[int | None, typer.Option(help="Keep the first N tasks after all filters.")] = None,
-    eval_set: Annotated[list[str] | None, typer.Option(help="Prepared evaluation set to keep out of a training set (repeatable). Default: every evaluation set prepared next to --out.")] = None,
-    keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set uses (evaluation instances are always dropped).")] = False,
-    on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: skip (count it) or fail (exit 2). Default: fail for evaluation sets, skip for training sets.")] = None,
+    eval_set: Annotated[list[str] | None, typer.Option(help="Prepared evaluation set to "
+                                                            "keep out of a training set (repeatable). Default: "
+                                                            "every evaluation set prepared next to --out.")] = None,
+    keep_eval_repos: Annotated[bool, typer.Option(help="Keep training tasks from repositories that an evaluation set "
+                                                       "uses (evaluation instances are always dropped).")] = False,
+    on_error: Annotated[str | None, typer.Option(help="Malformed row or task directory: "
+                                                      "skip (count it) or fail (exit 2). Default: "
+                                                      "fail for evaluation sets, skip for training sets.")] = None,
     seed: Annotated[int, typer.Option(help="embedded: seed of the generated suite (deterministic for a seed).")] = 0,
-    policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also build the default student and teacher (data/embedded_policy; about 45 min on 2 cores, kept when already built from the same data and recipe).")] = True,
-    rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy", help="embedded: train the policies again even when a build of the same data exists.")] = False,
-    policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default <out>/embedded_policy, what `tsrl train` loads).")] = None,
-    pull_images: Annotated[bool, typer.Option("--pull-images", help="Then pull every image the prepared tasks run in, as `tsrl env pull OUT` does (sized, disk-checked, a few at a time).")] = False,
+    policy: Annotated[bool, typer.Option("--policy/--no-policy", help="embedded: also build the default "
+                                                                      "student and teacher (data/embedded_policy; "
+                                                                      "about 45 min on 2 cores, kept when already "
+                                                                      "built from the same data and recipe).")] = True,
+    rebuild_policy: Annotated[bool, typer.Option("--rebuild-policy",
+                                                 help="embedded: train the policies again even when a build of the "
+                                                      "same data exists.")] = False,
+    policy_out: Annotated[str | None, typer.Option(help="embedded: folder for student/ and teacher/ (default "
+                                                        "<out>/embedded_policy, what `tsrl train` loads).")] = None,
+    pull_images: Annotated[bool, typer.Option("--pull-images", help="Then pull every image the prepared tasks run in, "
+                                                                    "as `tsrl env pull OUT` does (sized, disk-checked, "
+                                                                    "a few at a time).")] = False,
     max_parallel_pulls: Annotated[int, typer.Option(help="--pull-images: pulls at once.")] = 4,
     json_out: JsonOpt = False,
 ) -> None:
@@ -153,8 +178,9 @@ def _render_prepare(console, res: dict) -> None:
     sets = ov.get("eval_sets", ov.get("train_sets", []))
     if sets:
         verb = "removed" if "eval_sets" in ov else "found (not removed)"
-        console.print(f"overlap with {', '.join(sets)}: {ov['same_instance']} same instance or text, {ov['same_repo']} same "
-                      f"repo ({', '.join(ov['repos'][:5])}{' …' if len(ov['repos']) > 5 else ''}); {verb}: "
+        console.print(f"overlap with {', '.join(sets)}: {ov['same_instance']} same instance or text, "
+                      f"{ov['same_repo']} same repo ({', '.join(ov['repos'][:5])}"
+                      f"{' …' if len(ov['repos']) > 5 else ''}); {verb}: "
                       f"{ov['removed'] if 'eval_sets' in ov else ov['same_instance'] + ov['same_repo']}",
                       highlight=False, soft_wrap=True)
     state = "unchanged, nothing written" if res["unchanged"] else f"wrote {res['written']:,} task(s)"

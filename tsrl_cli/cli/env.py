@@ -29,18 +29,29 @@ env_app = typer.Typer(
 
 @env_app.command(
     "exec",
-    epilog="Examples:  tsrl env exec --workdir ./task -- pytest -q  ·  tsrl env exec --workdir ./task --json -- 'ls -la'",
+    epilog="Examples:  tsrl env exec --workdir ./task -- pytest -q  ·  tsrl env exec --workdir ./task "
+           "--json -- 'ls -la'",
 )
 def exec_(
-    command: Annotated[list[str], typer.Argument(help="The command, after `--`; several words are joined with spaces and run by `bash -c`.")],
-    task: Annotated[str | None, typer.Option(help="Task id in --dataset: runs in that task's environment, as the agent's tool does.")] = None,
-    dataset: Annotated[str | None, typer.Option(help="Prepared dataset (name under data/ or a path) holding --task.")] = None,
-    workdir: Annotated[str | None, typer.Option(help="Instead of --task: a directory; the sandbox works on a fresh copy of it.")] = None,
+    command: Annotated[list[str], typer.Argument(help="The command, after `--`; several words are joined with spaces "
+                                                      "and run by `bash -c`.")],
+    task: Annotated[str | None, typer.Option(help="Task id in --dataset: runs in that task's environment, "
+                                                  "as the agent's tool does.")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Prepared dataset (name under data/ or a path) "
+                                                     "holding --task.")] = None,
+    workdir: Annotated[str | None, typer.Option(help="Instead of --task: a directory; "
+                                                     "the sandbox works on a fresh copy of it.")] = None,
     executor: Annotated[str, typer.Option(help="local (bubblewrap or unshare) or docker.")] = "local",
     image: Annotated[str | None, typer.Option(help="Docker image (docker executor).")] = None,
-    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="--task with --executor docker: FROM_IMAGE=LOCAL_IMAGE, build the task's Dockerfile FROM a local image (repeatable; as tsrl train's).")] = None,
-    timeout_s: Annotated[float, typer.Option(help="Wall-clock limit in seconds; the whole process tree is killed at it.")] = 60.0,
-    allow_unisolated: Annotated[bool, typer.Option("--allow-unisolated", help="Run without isolation when neither bwrap nor unshare is available (unsafe for untrusted tasks).")] = False,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image",
+                                                         help="--task with --executor docker: FROM_IMAGE=LOCAL_IMAGE, "
+                                                              "build the task's Dockerfile FROM a local image "
+                                                              "(repeatable; as tsrl train's).")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Wall-clock limit in seconds; the whole process tree is "
+                                                  "killed at it.")] = 60.0,
+    allow_unisolated: Annotated[bool, typer.Option("--allow-unisolated",
+                                                   help="Run without isolation when neither bwrap nor unshare is "
+                                                        "available (unsafe for untrusted tasks).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Run COMMAND in a fresh sandbox of the task and report its output, exit code, duration and limits."""
@@ -70,7 +81,8 @@ def exec_(
                 res = sb.run(" ".join(command), timeout_s)
                 isolation, summary, visible = sb.isolation, sb.isolation_summary, sb.visible_roots
     if json_out:
-        typer.echo(json.dumps({**res.to_dict(), "executor": executor, "isolation": isolation, "visible_roots": visible}))
+        typer.echo(json.dumps({**res.to_dict(), "executor": executor, "isolation": isolation,
+                               "visible_roots": visible}))
         raise typer.Exit(0)
     err_console.print(f"[dim]sandbox: {executor}, isolation {summary}[/dim]", highlight=False, soft_wrap=True)
     err_console.print("[dim]visible of the host: " + "; ".join(visible) + "[/dim]", highlight=False, soft_wrap=True)
@@ -86,7 +98,8 @@ def exec_(
 
 @env_app.command("list", epilog="Examples:  tsrl env list  ·  tsrl env list --dataset swe_smith --json")
 def list_(
-    dataset: Annotated[str | None, typer.Option(help="Prepared dataset to list the tasks of (default: list the datasets under data/).")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Prepared dataset to list the tasks of (default: "
+                                                     "list the datasets under data/).")] = None,
     limit: Annotated[int, typer.Option(help="Show at most this many tasks (0 = all).")] = 50,
     json_out: JsonOpt = False,
 ) -> None:
@@ -153,9 +166,13 @@ def base_image(json_out: JsonOpt = False) -> None:
 def pull(
     datasets: Annotated[list[str], typer.Argument(help="Prepared datasets (names under data/ or paths).")],
     max_parallel_pulls: Annotated[int, typer.Option(help="Pulls at once.")] = 4,
-    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="FROM_IMAGE=LOCAL_IMAGE: a Dockerfile FROM built from a local image is not pulled (repeatable; as tsrl train's).")] = None,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image",
+                                                         help="FROM_IMAGE=LOCAL_IMAGE: a Dockerfile FROM built from a "
+                                                              "local image is not pulled (repeatable; as tsrl "
+                                                              "train's).")] = None,
     min_free_gib: Annotated[float, typer.Option(help="GiB the daemon's disk must keep free after the pulls.")] = 10.0,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what is missing and what it costs; pull nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what is missing and what it costs; "
+                                                            "pull nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Pull every image the datasets' tasks run in, once, before a run needs them.

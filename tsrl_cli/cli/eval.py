@@ -37,12 +37,17 @@ eval_app = typer.Typer(
 )
 def embedded(
     *,
-    model: Annotated[str, typer.Option(help="Policy directory: model + its tokenizer (save_pretrained), e.g. a tsrl train checkpoint.")] = "data/embedded_policy/student",
-    datasets: Annotated[list[str] | None, typer.Option("--datasets", help="Prepared datasets, comma-separated or repeated. Default: embedded_repair_heldout,embedded_terminal_heldout.")] = None,
+    model: Annotated[str, typer.Option(help="Policy directory: model + its tokenizer (save_pretrained), "
+                                            "e.g. a tsrl train checkpoint.")] = "data/embedded_policy/student",
+    datasets: Annotated[list[str] | None, typer.Option("--datasets",
+                                                       help="Prepared datasets, comma-separated or repeated. "
+                                                            "Default: embedded_repair_heldout,"
+                                                            "embedded_terminal_heldout.")] = None,
     samples: Annotated[int, typer.Option(help="Trajectories per task (and seed).")] = 1,
     temperature: TempOpt = 0.0,
     seed: SeedsOpt = None,
-    max_turns: Annotated[int | None, typer.Option(help="Agent turns per trajectory (default 8, the training limit).")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="Agent turns per trajectory (default 8, "
+                                                       "the training limit).")] = None,
     limit: Annotated[int | None, typer.Option(help="First N tasks of each dataset (default: all).")] = None,
     out: OutOpt = None,
     concurrency: Annotated[int, typer.Option(help="Agent sessions at once (their model turns are batched).")] = 16,
@@ -79,17 +84,25 @@ def embedded(
 )
 def swebench(
     *,
-    model: Annotated[str | None, typer.Option(help="Policy directory or hub id (required with --agent policy, unless --grade-only).")] = None,
-    agent: Annotated[str, typer.Option(help="policy (the model), oracle (applies each gold patch) or nop (changes nothing): the last two are controls that need no model.")] = "policy",
+    model: Annotated[str | None, typer.Option(help="Policy directory or hub id (required with --agent policy, "
+                                                   "unless --grade-only).")] = None,
+    agent: Annotated[str, typer.Option(help="policy (the model), oracle (applies each gold patch) or nop (changes "
+                                            "nothing): the last two are controls that need no model.")] = "policy",
     engine: Annotated[str, typer.Option(help="vllm (GPU) or hf (transformers).")] = "vllm",
-    dataset: Annotated[str, typer.Option(help="Prepared SWE-bench set (tsrl prepare-data swebench-verified, or swebench-local).")] = "data/swebench_verified",
-    instances: Annotated[list[str] | None, typer.Option(help="Instance ids, comma-separated or repeated (default: all).")] = None,
+    dataset: Annotated[str, typer.Option(help="Prepared SWE-bench set (tsrl prepare-data swebench-verified, "
+                                              "or swebench-local).")] = "data/swebench_verified",
+    instances: Annotated[list[str] | None, typer.Option(help="Instance ids, comma-separated or repeated "
+                                                             "(default: all).")] = None,
     workers: Annotated[int, typer.Option(help="Containers at once, for the rollouts and for the harness.")] = 4,
     temperature: TempOpt = 0.0,
     max_turns: Annotated[int | None, typer.Option(help="Agent turns per instance (default 50).")] = None,
-    grade_only: Annotated[str | None, typer.Option(help="Grade an existing predictions file (.jsonl/.json) instead of running the agent.")] = None,
-    harness_dataset: Annotated[str | None, typer.Option(help="What the harness grades against: a hub id or a .jsonl/.parquet of swebench 5.x rows. Default: the rows of --dataset.")] = None,
-    no_grade: Annotated[bool, typer.Option("--no-grade", help="Only run the agent and write predictions.jsonl (no score).")] = False,
+    grade_only: Annotated[str | None, typer.Option(help="Grade an existing predictions file (.jsonl/.json) instead of "
+                                                        "running the agent.")] = None,
+    harness_dataset: Annotated[str | None, typer.Option(help="What the harness grades against: "
+                                                             "a hub id or a .jsonl/.parquet of swebench 5.x rows. "
+                                                             "Default: the rows of --dataset.")] = None,
+    no_grade: Annotated[bool, typer.Option("--no-grade", help="Only run the agent and write "
+                                                              "predictions.jsonl (no score).")] = False,
     timeout_s: Annotated[int, typer.Option(help="Harness time limit per instance's tests, in seconds.")] = 1800,
     chat_template: ChatTemplateOpt = "auto",
     thinking: ThinkingOpt = False,
@@ -116,31 +129,47 @@ def swebench(
 
 @eval_app.command(
     "tbench",
-    epilog="Examples:  tsrl eval tbench --dataset embedded_terminal_heldout --executor local --model data/embedded_policy/student  ·  "
+    epilog="Examples:  tsrl eval tbench --dataset embedded_terminal_heldout --executor local "
+           "--model data/embedded_policy/student  ·  "
            "tsrl eval tbench --dataset terminal_bench --model ./ckpt --engine vllm  ·  "
            "tsrl eval tbench --dataset terminal_bench --via-harbor --endpoint http://127.0.0.1:8000/v1",
 )
 def tbench(
     *,
-    dataset: Annotated[str, typer.Option(help="Prepared terminal-task set (tsrl prepare-data terminal-bench --from DIR).")],
+    dataset: Annotated[str, typer.Option(help="Prepared terminal-task set (tsrl prepare-data terminal-bench "
+                                              "--from DIR).")],
     model: Annotated[str | None, typer.Option(help="Policy directory or hub id (not used with --via-harbor).")] = None,
     engine: Annotated[str, typer.Option(help="hf (transformers) or vllm.")] = "hf",
-    executor: Annotated[str, typer.Option(help="docker (each task's image; real Terminal-Bench) or local (sandbox copy of environment/).")] = "docker",
+    executor: Annotated[str, typer.Option(help="docker (each task's image; real Terminal-Bench) or local (sandbox copy "
+                                               "of environment/).")] = "docker",
     samples: Annotated[int, typer.Option(help="Trajectories per task (and seed).")] = 1,
     temperature: TempOpt = 0.0,
     seed: SeedsOpt = None,
-    max_turns: Annotated[int | None, typer.Option(help="Agent turns per task (default 8 with local, 50 with docker).")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="Agent turns per task (default 8 with local, "
+                                                       "50 with docker).")] = None,
     limit: Annotated[int | None, typer.Option(help="First N tasks (default: all).")] = None,
-    instances: Annotated[list[str] | None, typer.Option(help="Task ids, comma-separated or repeated (default: all).")] = None,
+    instances: Annotated[list[str] | None, typer.Option(help="Task ids, comma-separated or repeated "
+                                                             "(default: all).")] = None,
     workers: Annotated[int, typer.Option(help="Agent sessions (or harbor trials) at once.")] = 16,
-    via_harbor: Annotated[bool, typer.Option("--via-harbor", help="Delegate to the `harbor` CLI (own Python >= 3.12 env) with the policy behind an OpenAI-compatible endpoint.")] = False,
+    via_harbor: Annotated[bool, typer.Option("--via-harbor", help="Delegate to the `harbor` CLI "
+                                                                  "(own Python >= 3.12 env) with the policy behind an "
+                                                                  "OpenAI-compatible endpoint.")] = False,
     endpoint: Annotated[str, typer.Option(help="--via-harbor: the OpenAI-compatible base URL serving the policy.")] = "http://127.0.0.1:8000/v1",
-    served_model_name: Annotated[str, typer.Option(help="--via-harbor: the model name the server serves (vllm serve --served-model-name).")] = "tsrl-policy",
+    served_model_name: Annotated[str, typer.Option(help="--via-harbor: the model name the server serves (vllm serve "
+                                                        "--served-model-name).")] = "tsrl-policy",
     harbor_agent: Annotated[str, typer.Option(help="--via-harbor: harbor's agent.")] = "terminus-2",
-    harbor_env: Annotated[str, typer.Option(help="--via-harbor: harbor's environment (docker, daytona, modal, e2b, ...).")] = "docker",
-    harbor_in_docker: Annotated[bool, typer.Option("--harbor-in-docker", help="--via-harbor: run harbor in a Debian trixie image built here (Python 3.13, pinned harbor), against this machine's Docker daemon; for machines whose Python is older than 3.12.")] = False,
-    agent: Annotated[str, typer.Option(help="policy (the model), oracle (each task's solution/solve.sh) or nop (no action): Harbor's controls.")] = "policy",
-    base_image: Annotated[list[str] | None, typer.Option(help="FROM=LOCAL: build Dockerfiles whose FROM is FROM from the local image LOCAL (repeatable; printed and recorded in config.json).")] = None,
+    harbor_env: Annotated[str, typer.Option(help="--via-harbor: harbor's environment (docker, daytona, "
+                                                 "modal, e2b, ...).")] = "docker",
+    harbor_in_docker: Annotated[bool, typer.Option("--harbor-in-docker",
+                                                   help="--via-harbor: run harbor in a Debian trixie image built "
+                                                        "here (Python 3.13, pinned harbor), against this machine's "
+                                                        "Docker daemon; for machines whose Python is older than "
+                                                        "3.12.")] = False,
+    agent: Annotated[str, typer.Option(help="policy (the model), oracle (each task's solution/solve.sh) or nop (no "
+                                            "action): Harbor's controls.")] = "policy",
+    base_image: Annotated[list[str] | None, typer.Option(help="FROM=LOCAL: build Dockerfiles whose "
+                                                              "FROM is FROM from the local image LOCAL (repeatable; "
+                                                              "printed and recorded in config.json).")] = None,
     chat_template: ChatTemplateOpt = "auto",
     thinking: ThinkingOpt = False,
     device: DeviceOpt = None,
@@ -204,14 +233,16 @@ def _render(console, res: dict) -> None:
     cfg = res.get("config", {})
     graded = res.get("graded", True)
     if not graded:
-        console.print(f"[bold]{res['label']}[/bold]: not graded (--no-grade); no score", highlight=False, soft_wrap=True)
+        console.print(f"[bold]{res['label']}[/bold]: not graded (--no-grade); no score", highlight=False,
+                      soft_wrap=True)
     else:  # narrow enough for 80 columns: seed and error columns only when they say something
         parts = res["datasets"].values()
         seeds = any("per_seed" in d for d in parts)
         errors = any(d["errors"] or d["ungraded"] for d in parts)
         t = Table(title=res["label"], title_justify="left")
         t.add_column("dataset", no_wrap=True)
-        for col in (["seed"] if seeds else []) + ["resolved", "rate", "95 % CI", "turns"] + (["errors"] if errors else []):
+        cols = (["seed"] if seeds else []) + ["resolved", "rate", "95 % CI", "turns"] + (["errors"] if errors else [])
+        for col in cols:
             t.add_column(col, justify="right", no_wrap=True)
 
         def row(name, seed, d):

@@ -20,11 +20,17 @@ PLAN_EPILOG = ("Examples:  tsrl plan experiments/node8/grpo_full.yaml  ·  "
 
 
 def plan(
-    experiment: Annotated[str, typer.Argument(help="Experiment YAML; the models' architecture comes from model.policy_config / model.teacher_config, else the model folders' config.json.")],
+    experiment: Annotated[str, typer.Argument(help="Experiment YAML; the models' architecture "
+                                                   "comes from model.policy_config / model.teacher_config, "
+                                                   "else the model folders' config.json.")],
     *,
     set_: SetOpt = None,
-    capacity_gib: Annotated[float | None, typer.Option(help="Memory of every CUDA device, GiB (default: this machine's GPU where it has that index, else an 80 GB device, 74.5 GiB).")] = None,
-    host_gib: Annotated[float | None, typer.Option(help="Host memory, GiB, for CPU processes and host-memory buffers (default: the experiment's devices.host_memory_gib, else this machine's).")] = None,
+    capacity_gib: Annotated[float | None, typer.Option(help="Memory of every CUDA device, GiB (default: "
+                                                            "this machine's GPU where it has that index, "
+                                                            "else an 80 GB device, 74.5 GiB).")] = None,
+    host_gib: Annotated[float | None, typer.Option(help="Host memory, GiB, for CPU processes and host-memory "
+                                                        "buffers (default: the experiment's devices.host_memory_gib, "
+                                                        "else this machine's).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Plan an experiment's memory from its models' config.json alone: peak bytes per process, measured on fake
@@ -73,3 +79,5 @@ def render(console, experiment: str, res: dict) -> None:
         console.print(f"  {escape(', '.join(names))}: {escape(how)}\n    {escape(text)}", highlight=False,
                       soft_wrap=True)
     console.print("Every process fits." if res["fits"] else "[red]Not every process fits[/red] (NO above).")
+    for w in dict.fromkeys(w for p in res["processes"] for w in p.get("warnings", [])):
+        console.print(f"[yellow]warning[/yellow] {escape(w)}", highlight=False, soft_wrap=True)

@@ -21,8 +21,13 @@ policy_app = typer.Typer(name="policy", help="Inspect policies: success rate and
 )
 def probe(
     *,
-    model: Annotated[str, typer.Option(help="Policy directory (model + its tokenizer, as save_pretrained writes). Default: the embedded student; data/embedded_policy/teacher is the teacher.")] = "data/embedded_policy/student",
-    tasks: Annotated[list[str] | None, typer.Option(help="Prepared dataset(s) to sample on (repeatable), e.g. embedded_repair_train; `embedded-train` (default) and `embedded-heldout` name both embedded sets of a split.")] = None,
+    model: Annotated[str, typer.Option(help="Policy directory (model + its tokenizer, as save_pretrained writes). "
+                                            "Default: the embedded student; data/embedded_policy/teacher is "
+                                            "the teacher.")] = "data/embedded_policy/student",
+    tasks: Annotated[list[str] | None, typer.Option(help="Prepared dataset(s) to sample on (repeatable), "
+                                                         "e.g. embedded_repair_train; "
+                                                         "`embedded-train` (default) and `embedded-heldout` name both "
+                                                         "embedded sets of a split.")] = None,
     samples: Annotated[int, typer.Option(help="Samples per task (a GRPO group).")] = 8,
     limit: LimitOpt = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,

@@ -19,14 +19,19 @@ SWEEP_EPILOG = (
 
 
 def sweep(
-    experiments: Annotated[list[str], typer.Argument(help="Experiment YAML file(s); each file's `name` is its folder under --out.")],
+    experiments: Annotated[list[str], typer.Argument(help="Experiment YAML file(s); each file's `name` is its folder "
+                                                          "under --out.")],
     *,
-    schedules: Annotated[str, typer.Option(help="Comma-separated schedules: sync, stream, async.")] = "sync,stream,async",
+    schedules: Annotated[str, typer.Option(help="Comma-separated schedules: "
+                                                "sync, stream, async.")] = "sync,stream,async",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds, the same list for every schedule.")] = "42,43,44",
-    rounds: Annotated[int | None, typer.Option(help="Rounds per run. Default: each experiment file's `rounds`.")] = None,
-    warmup: Annotated[int, typer.Option(help="Warm-up rounds left out of averages (recorded in OUT/sweep.json for tsrl report; training ignores it).")] = 4,
+    rounds: Annotated[int | None, typer.Option(help="Rounds per run. "
+                                                    "Default: each experiment file's `rounds`.")] = None,
+    warmup: Annotated[int, typer.Option(help="Warm-up rounds left out of averages (recorded in OUT/sweep.json for tsrl "
+                                             "report; training ignores it).")] = 4,
     set_: SetOpt = None,
-    out: Annotated[str, typer.Option(help="Results directory: runs go to OUT/<experiment>/<schedule>/seed<k>/.")] = "results",
+    out: Annotated[str, typer.Option(help="Results directory: "
+                                          "runs go to OUT/<experiment>/<schedule>/seed<k>/.")] = "results",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and run nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -10,6 +10,7 @@ import typer
 
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt, SetOpt
+from tsrl_cli.config import DTYPES, OBJECTIVES, LossConfig, OptimConfig, choices
 
 TRAIN_EPILOG = (
     "Config precedence: defaults < EXPERIMENT.yaml < --set key=value < flags. "
@@ -30,43 +31,70 @@ def resolve_train_config(experiment: str | None, sets: list[str], flags: dict, r
 
 
 def train(
-    experiment: Annotated[str | None, typer.Argument(help="Experiment YAML (overrides only; see experiments/). Default: the embedded default.")] = None,
+    experiment: Annotated[str | None, typer.Argument(help="Experiment YAML (overrides only; see experiments/). "
+                                                          "Default: the embedded default.")] = None,
     *,
-    objective: Annotated[str | None, typer.Option(help="grpo | opd. Default grpo.")] = None,
-    schedule: Annotated[str | None, typer.Option(help="sync (lazy baseline) | stream (gradient streaming) | async (off-policy baseline). Default stream.")] = None,
-    sync_batching: Annotated[str | None, typer.Option(help="sync only: padded (one padded batch, verl's lazy loss; default) | per_item (stream's per-item backwards after the last arrival).")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed: prompts per round and every sampling seed derive from it. Default 0.")] = None,
+    objective: Annotated[str | None, typer.Option(help=f"{' | '.join(OBJECTIVES)}. Default grpo.")] = None,
+    schedule: Annotated[str | None, typer.Option(help="sync (lazy baseline) | stream (gradient streaming) | "
+                                                      "async (off-policy baseline). Default stream.")] = None,
+    sync_batching: Annotated[str | None, typer.Option(help="sync only: padded (one padded batch, verl's lazy loss; "
+                                                           "default) | per_item (stream's per-item backwards after the "
+                                                           "last arrival).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed: prompts per round and every sampling seed derive from it. "
+                                                  "Default 0.")] = None,
     rounds: Annotated[int | None, typer.Option(help="Rounds (one optimizer step each). Default 10.")] = None,
     prompts_per_round: Annotated[int | None, typer.Option(help="Prompts (groups) per round. Default 4.")] = None,
     group_size: Annotated[int | None, typer.Option(help="Samples per prompt. Default 8.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 | float64 | bfloat16 (learner, engine, teacher). Default float32.")] = None,
+    dtype: Annotated[str | None, typer.Option(help=f"{' | '.join(DTYPES)} (learner, engine, teacher). "
+                                                   "Default float32.")] = None,
     lr: Annotated[float | None, typer.Option(help="Learning rate. Default 1e-4.")] = None,
-    optimizer: Annotated[str | None, typer.Option(help="adamw | sgd. Default adamw.")] = None,
-    grad_clip: Annotated[float | None, typer.Option(help="Max global gradient norm; 0 turns clipping off. Default 1.0.")] = None,
-    loss_agg: Annotated[str | None, typer.Option(help="token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm | token-sum.")] = None,
-    adv_norm: Annotated[str | None, typer.Option(help="GRPO advantage: group (r-mean)/(std+1e-6) | center (Dr. GRPO).")] = None,
+    optimizer: Annotated[str | None, typer.Option(help=f"{' | '.join(choices(OptimConfig, 'optimizer'))}. "
+                                                       "Default adamw.")] = None,
+    grad_clip: Annotated[float | None, typer.Option(help="Max global gradient norm; 0 turns clipping off. "
+                                                         "Default 1.0.")] = None,
+    loss_agg: Annotated[str | None, typer.Option(help=f"{' | '.join(choices(LossConfig, 'loss_agg'))}.")] = None,
+    adv_norm: Annotated[str | None, typer.Option(help="GRPO advantage: group (r-mean)/(std+1e-6) | "
+                                                      "center (Dr. GRPO).")] = None,
     kl_coef: Annotated[float | None, typer.Option(help="KL-to-initial-policy loss coefficient; 0 = off.")] = None,
-    max_staleness: Annotated[int | None, typer.Option(help="async: how many versions rollouts may lag the learner (>= 1). Default 1.")] = None,
-    tis_cap: Annotated[float | None, typer.Option(help="async: truncated importance sampling cap (e.g. 2.0); default off.")] = None,
-    lora_rank: Annotated[int | None, typer.Option(help="LoRA adapter rank (PEFT); 0 = full fine-tuning (default). Streaming buffers, optimizer state and weight sync then cover the adapters only.")] = None,
-    rollout_devices: Annotated[str | None, typer.Option(help="Device of the rollout process (policy engine): cpu (default), a CUDA index like 0, or cuda:N. One device (engine replicas are not implemented).")] = None,
-    learner_devices: Annotated[str | None, typer.Option(help="Learner devices, one rank each: cpu (default), a CUDA index (4), a range (4-7) or list (4,5,6,7) for a sharded learner group on GPUs, cpu:N for N CPU ranks.")] = None,
-    out: Annotated[str | None, typer.Option(help="Run directory. Default results/<name>/<schedule>/seed<seed>.")] = None,
-    save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. Default 0: only at the end.")] = None,
-    save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts", help="Write rollouts.jsonl.")] = None,
-    base_image: Annotated[list[str] | None, typer.Option("--base-image", help="rollout.executor docker: FROM_IMAGE=LOCAL_IMAGE, build a task Dockerfile's FROM from a local image (repeatable; config docker.base_images). Printed, and kept in config.yaml.")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in the run directory from its last checkpoint.")] = False,
+    max_staleness: Annotated[int | None, typer.Option(help="async: how many versions rollouts may lag the learner "
+                                                           "(>= 1). Default 1.")] = None,
+    tis_cap: Annotated[float | None, typer.Option(help="async: truncated importance sampling cap (e.g. 2.0); "
+                                                       "default off.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="LoRA adapter rank (PEFT); 0 = full fine-tuning (default). "
+                                                       "Streaming buffers, optimizer state and weight sync then cover "
+                                                       "the adapters only.")] = None,
+    rollout_devices: Annotated[str | None, typer.Option(help="Device of the rollout process (policy engine): "
+                                                             "cpu (default), a CUDA index like 0, or cuda:N. One "
+                                                             "device (engine replicas are not implemented).")] = None,
+    learner_devices: Annotated[str | None, typer.Option(help="Learner devices, one rank each: cpu (default), a CUDA "
+                                                             "index (4), a range (4-7) or list (4,5,6,7) for a sharded "
+                                                             "learner group on GPUs, cpu:N for N CPU ranks.")] = None,
+    out: Annotated[str | None, typer.Option(help="Run directory. "
+                                                 "Default results/<name>/<schedule>/seed<seed>.")] = None,
+    save_every: Annotated[int | None, typer.Option(help="Checkpoint every K rounds (and round-0), for --resume. "
+                                                        "Default 0: only at the end.")] = None,
+    save_rollouts: Annotated[bool | None, typer.Option("--save-rollouts/--no-save-rollouts",
+                                                       help="Write rollouts.jsonl.")] = None,
+    base_image: Annotated[list[str] | None, typer.Option("--base-image",
+                                                         help="rollout.executor docker: FROM_IMAGE=LOCAL_IMAGE, build "
+                                                              "a task Dockerfile's FROM from a local image "
+                                                              "(repeatable; config docker.base_images). Printed, and "
+                                                              "kept in config.yaml.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in the run directory from its "
+                                                          "last checkpoint.")] = False,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Train a policy with RL: rollout, teacher and learner processes, one optimizer step per round.
 
-    Writes the run directory (docs/run-directory.md). Exit codes: 0 done, 1 the run failed, 2 bad config or missing data.
+    Writes the run directory (docs/run-directory.md). Exit codes: 0 done, 1 the run failed, 2 bad config or missing
+    data.
     """
     from tsrl_cli.console import console
 
-    flags = {"objective": objective, "schedule": schedule, "sync_batching": sync_batching, "seed": seed, "rounds": rounds,
-             "rollout.prompts_per_round": prompts_per_round, "rollout.group_size": group_size, "model.dtype": dtype,
+    flags = {"objective": objective, "schedule": schedule, "sync_batching": sync_batching, "seed": seed,
+             "rounds": rounds, "rollout.prompts_per_round": prompts_per_round, "rollout.group_size": group_size,
+             "model.dtype": dtype,
              "optim.lr": lr, "optim.optimizer": optimizer, "optim.grad_clip": grad_clip, "loss.loss_agg": loss_agg,
              "loss.adv_norm": adv_norm, "loss.kl_coef": kl_coef, "offpolicy.max_staleness": max_staleness,
              "offpolicy.tis_cap": tis_cap, "lora.rank": lora_rank, "devices.rollout": rollout_devices,
@@ -107,7 +135,8 @@ class TrainDisplay:
     def __call__(self, ev: dict) -> None:
         kind = ev["event"]
         if not self.enabled:
-            if kind == "log":  # lines for the user (FROM mapping, image builds, a dead server) reach stderr under --json too
+            # lines for the user (FROM mapping, image builds, a dead server) reach stderr under --json too
+            if kind == "log":
                 self.console.print(f"· {ev['who']}: {ev['line']}", highlight=False, markup=False, soft_wrap=True)
             return
         if kind in ("start", "round"):
@@ -189,8 +218,10 @@ def render_summary(console, cfg, s: dict) -> None:
     m = Table(show_header=False, title="summary (rounds after the first)", title_justify="left")
     m.add_column(style="bold")
     m.add_column()
-    m.add_row("step time", f"median {_fmt(s['step_time_median_s'], '.2f', ' s')}, mean {_fmt(s['step_time_mean_s'], '.2f', ' s')}")
-    m.add_row("learner idle", _fmt(None if s["learner_idle_frac_mean"] is None else 100 * s["learner_idle_frac_mean"], ".0f", " %"))
+    m.add_row("step time", f"median {_fmt(s['step_time_median_s'], '.2f', ' s')}, "
+                           f"mean {_fmt(s['step_time_mean_s'], '.2f', ' s')}")
+    idle = s["learner_idle_frac_mean"]
+    m.add_row("learner idle", _fmt(None if idle is None else 100 * idle, ".0f", " %"))
     for k, v in streaming_lines(s.get("streaming")):
         m.add_row(k, v)
     m.add_row("reward", f"{_fmt(s['reward_first'])} (round 1) -> {_fmt(s['reward_last'])} (round {s['rounds']})")
@@ -219,7 +250,8 @@ def streaming_lines(g: dict | None) -> list[tuple[str, str]]:
     speedup, ceiling = _fmt(g["speedup"], ".2f", "x"), _fmt(g["ceiling"], ".2f", "x")
     how = ("bought: predicted sync / measured mean step" if own == "stream"
            else "it would give: measured mean step / predicted stream")
-    balance = f"{_fmt(g['balance'], '.2f')} learner work / rollout makespan; with sync's padding the model caps the speedup"
+    balance = (f"{_fmt(g['balance'], '.2f')} learner work / rollout makespan; "
+               "with sync's padding the model caps the speedup")
     rows = [(f"{other} step, predicted", f"{pred} mean, event model on this run's trace (its {own}: {own_pred}{err})"),
             ("streaming speedup", f"{speedup} {how}"),
             ("balance", f"{balance} at {ceiling}")]

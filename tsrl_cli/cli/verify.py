@@ -1,8 +1,8 @@
 """`tsrl verify`: prove on your model that streaming gives the lazy gradient.
 
 The loss options are made from config.LossConfig (`loss_options`): one option per field, with the
-field's default and its comment in config.py as help, so a new loss setting is a `tsrl verify`
-option (and `tsrl train`'s loss.* key) with no edit here.
+field's default and its comment in config.py (and its choices) as help, so a new loss setting is a
+`tsrl verify` option (and `tsrl train`'s loss.* key) with no edit here.
 """
 
 from __future__ import annotations
@@ -18,28 +18,34 @@ import typer
 
 from tsrl_cli.cli._errors import cli_errors
 from tsrl_cli.cli._options import JsonOpt
-from tsrl_cli.config import LossConfig, field_help
+from tsrl_cli.config import OBJECTIVES, LossConfig, choices, field_help
 
 LOSS_PANEL = "Loss (tsrl train's loss.* keys)"
 # what verify adds to a loss field's own comment
 LOSS_NOTES = {"kl_coef": "Reference: ref_logprobs in the rollouts file, else the model with seeded weight noise",
-              "buffer_dtype": "bfloat16 is judged at bfloat16's tolerance: the difference printed is its measured error"}
+              "buffer_dtype": "bfloat16 is judged at bfloat16's tolerance: "
+                              "the difference printed is its measured error"}
 
 
 def loss_options(command):
     """`command` with its parameter `loss` replaced by one option per field of LossConfig (kebab-case,
-    LossConfig's default, the field's comments as help); the values reach `command` as one
+    LossConfig's default, the field's comments and choices as help); the values reach `command` as one
     `loss=LossConfig(...)`. Typer reads the signature set here (public inspect, no click)."""
-    hints, helps = typing.get_type_hints(LossConfig), field_help(LossConfig)
-    own = inspect.signature(command, eval_str=True)
+    hints, helps = typing.get_type_hints(LossConfig), field_help(LossConfig)  # hints: a choice's str, no Literal
     names = [f.name for f in fields(LossConfig)]
+    for name in names:  # a choice the comment does not describe one by one: the names, from its Literal
+        allowed = choices(LossConfig, name)
+        if not all(c in helps.get(name, "") for c in allowed):
+            helps[name] = ". ".join(h for h in (helps.get(name, ""), f"One of: {', '.join(allowed)}") if h)
+    own = inspect.signature(command, eval_str=True)
     clash = set(names) & set(own.parameters)
     if clash:
         raise TypeError(f"{command.__name__}: options {sorted(clash)} are also LossConfig fields")
     generated = [
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
                           default=f.default_factory() if f.default is MISSING else f.default, annotation=Annotated[
-            hints[f.name], typer.Option(help=". ".join(h for h in (helps.get(f.name, ""), LOSS_NOTES.get(f.name, "")) if h),
+            hints[f.name], typer.Option(help=". ".join(h for h in (helps.get(f.name, ""), LOSS_NOTES.get(f.name, ""))
+                                                       if h),
                                         rich_help_panel=LOSS_PANEL)])
         for f in fields(LossConfig)]
     params = []
@@ -57,21 +63,35 @@ def loss_options(command):
 @loss_options
 def verify(
     *,
-    model: Annotated[str, typer.Option(help="Model: a local HuggingFace directory (save_pretrained), a hub id, or builtin:tiny.")] = "builtin:tiny",
-    rollouts: Annotated[str | None, typer.Option(help="Rollouts JSONL, one trajectory per line (default: random multi-turn rollouts).")] = None,
-    objective: Annotated[str, typer.Option(help="grpo or opd.")] = "grpo",
-    teacher: Annotated[str | None, typer.Option(help="OPD teacher model (default: teacher_logprobs in the file, else builtin:tiny-teacher).")] = None,
+    model: Annotated[str, typer.Option(help="Model: a local HuggingFace directory (save_pretrained), a hub id, "
+                                            "or builtin:tiny.")] = "builtin:tiny",
+    rollouts: Annotated[str | None, typer.Option(help="Rollouts JSONL, one trajectory per line (default: "
+                                                      "random multi-turn rollouts).")] = None,
+    objective: Annotated[str, typer.Option(help=f"{' or '.join(OBJECTIVES)}.")] = "grpo",
+    teacher: Annotated[str | None, typer.Option(help="OPD teacher model (default: teacher_logprobs in the file, "
+                                                     "else builtin:tiny-teacher).")] = None,
     loss: LossConfig,  # one option per field (loss_options)
-    dtype: Annotated[str, typer.Option(help="float64 (tolerance 1e-10) | float32 (1e-4) | bfloat16 (5e-2).")] = "float64",
-    order: Annotated[str, typer.Option(help="Arrival order of trajectories (GRPO) or turns (OPD): random | given | reverse.")] = "random",
+    dtype: Annotated[str, typer.Option(help="float64 (tolerance 1e-10) | float32 (1e-4) | "
+                                            "bfloat16 (5e-2).")] = "float64",
+    order: Annotated[str, typer.Option(help="Arrival order of trajectories (GRPO) or turns (OPD): "
+                                            "random | given | reverse.")] = "random",
     seed: Annotated[int, typer.Option(help="Seed for the built-in model, random rollouts and the random order.")] = 0,
     groups: Annotated[int, typer.Option(help="Random rollouts: number of groups.")] = 4,
     group_size: Annotated[int, typer.Option(help="Random rollouts: samples per group.")] = 8,
-    queued: Annotated[int, typer.Option(help="Arrivals queued before the learner runs: 1 = a backward per arrival; K > 1 = what is queued is micro-batched (one backward per fold target).")] = 1,
-    max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows x longest row); default no cap.")] = None,
-    learner_devices: Annotated[str, typer.Option(help="The streaming learner's devices: cpu (one process, default), or a sharded group: cpu:N (N CPU ranks), 0-3, 0,1 (CUDA).")] = "cpu",
-    save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors (parameter name -> gradient).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="A learner.* key of tsrl train, for the streamed side: --set learner.activation_checkpointing=true --set learner.logits_chunk_tokens=512 (repeatable).")] = None,
+    queued: Annotated[int, typer.Option(help="Arrivals queued before the learner runs: 1 = a backward per arrival; "
+                                             "K > 1 = what is queued is micro-batched (one backward per "
+                                             "fold target).")] = 1,
+    max_microbatch_tokens: Annotated[int | None, typer.Option(help="Cap on one backward's padded token positions (rows "
+                                                                   "x longest row); default no cap.")] = None,
+    learner_devices: Annotated[str, typer.Option(help="The streaming learner's devices: "
+                                                      "cpu (one process, default), or a sharded group: "
+                                                      "cpu:N (N CPU ranks), 0-3, 0,1 (CUDA).")] = "cpu",
+    save_grads: Annotated[str | None, typer.Option(help="Directory to write lazy.safetensors and stream.safetensors "
+                                                        "(parameter name -> gradient).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="A learner.* key of tsrl train, for the streamed "
+                                                                 "side: --set learner.activation_checkpointing=true "
+                                                                 "--set learner.logits_chunk_tokens=512 "
+                                                                 "(repeatable).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Compute one round's gradient lazily and by streaming, and print how far apart they are.

@@ -15,20 +15,33 @@ lazy path. With b the terms stay at the scale of the reward spread.
 Members that share a reward share both weights, (r - b) and 1: the sum of their gradients (one
 backward of a micro-batch) folds in at once. That is what makes micro-batched streaming exact.
 
+Any group-wise estimator (core.advantages: each member's advantage a function of its reward and the
+group's rewards) streams exactly by reward-value buckets instead, one buffer per (group, reward value):
+
+    B_{g,v} = sum_{i: r_i = v} G_i,      sum_i A_i G_i = sum_v A(v) B_{g,v}     (at the group's close)
+
+Binary rewards take two buckets, as the affine form's two sums; continuous rewards up to one per member.
+
 Buffers, one per template tensor (a parameter, or a rank's shard of a sharded learner's unit), in
 float32 (float64 when the templates are float64; bf16 only when asked, not exact), never the
 parameters' bf16 by default:
   per open group:  S_r = sum (r_i - b) G_i,  S_1 = sum G_i        (2 sets; 1 for Dr. GRPO, whose
                    scale is 1, so S_r folds into R at once)
+  per open group in buckets: B_v per distinct reward value v
   per open unit:   S_u = sum of grads whose scalar is not known yet (1 set; OPD with
                    seq-mean-token-mean, where 1/n_i waits for the trajectory's last turn)
   round:           R, everything whose scalar is known, folded at group/unit close
 At round close the round-level scalar Z (1/N, 1/B or 1/C) multiplies R once.
+
+A buffer set is allocated uninitialised (BufferSet): the first fold into each of its tensors assigns
+0 + alpha * g, the bits of adding into zeros, so no zero-fill runs where a set opens (a backward's hook,
+on the learner's thread). A tensor never folded into reads as no gradient at its set's close and as
+zeros in R at round close.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +54,60 @@ def buffer_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if param_dtype == torch.float64 else torch.float32
 
 
+class BufferSet(list):
+    """One buffer tensor per template, allocated uninitialised. written[i]: tensor i holds a sum. Until its first
+    fold it holds whatever the allocator left there; every fold runs on one thread in the order the folds were
+    made, so the flags are read and set in that order too."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        super().__init__(tensors)
+        self.written = [False] * len(self)
+
+
+def fresh(buf: Sequence[torch.Tensor], i: int) -> bool:
+    """Whether tensor i of buf was never folded into (a plain list's tensors always hold a sum)."""
+    return isinstance(buf, BufferSet) and not buf.written[i]
+
+
+def readable(grads: Sequence[torch.Tensor | None]) -> Sequence[torch.Tensor | None]:
+    """grads as a fold reads them: a BufferSet folded into another (a close) gives None for its unwritten tensors."""
+    if isinstance(grads, BufferSet):
+        return [None if fresh(grads, i) else t for i, t in enumerate(grads)]
+    return grads
+
+
+_ZEROS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # (device, dtype) -> a 0-dim zero
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero in like's dtype on like's device, made once. On the buffer's own device, so a GPU runs its
+    two-tensor add kernel, not the path of a CPU scalar operand."""
+    key = (like.device, like.dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return _ZEROS[key]
+
+
+def add_scaled(b: torch.Tensor, g: torch.Tensor, alpha: float, first: bool) -> None:
+    """b += alpha * g, or (first: b uninitialised) b = 0 + alpha * g, the same kernel on a zero operand: the bits
+    of adding into zeros, -0.0 included (0 + -0.0 is +0.0), and one write of b instead of a fill and an add.
+    g is in b's dtype and broadcasts to b's shape, as for add_ (expand_as: an `out` of another shape would be
+    resized, not refused)."""
+    if first:
+        torch.add(_zero(b), g.expand_as(b), alpha=alpha, out=b)
+    else:
+        b.add_(g, alpha=alpha)
+
+
 def axpy(buf: list[torch.Tensor], grads: Sequence[torch.Tensor | None], alpha: float) -> None:
-    """buf += alpha * grads, tensor by tensor (None: nothing for that tensor)."""
-    for b, g in zip(buf, grads, strict=True):
-        if g is not None:
-            b.add_(g.to(device=b.device, dtype=b.dtype), alpha=alpha)
+    """buf += alpha * grads, tensor by tensor (None: nothing for that tensor); a BufferSet's unwritten tensor is
+    assigned (add_scaled) and an unwritten tensor of grads adds nothing."""
+    for i, (b, g) in enumerate(zip(buf, readable(grads), strict=True)):
+        if g is None:
+            continue
+        add_scaled(b, g.to(device=b.device, dtype=b.dtype), alpha, fresh(buf, i))
+        if isinstance(buf, BufferSet):
+            buf.written[i] = True
 
 
 Targets = Sequence[tuple[list[torch.Tensor], float]]  # (buffer, alpha) pairs one gradient is folded into
@@ -88,37 +150,44 @@ class RoundGradAccumulator:
         self._fold, self._sync = fold, sync
         self._round: list[torch.Tensor] | None = None
         self._groups: dict[Hashable, _OpenGroup] = {}
+        self._buckets: dict[Hashable, dict[float, list[torch.Tensor]]] = {}
         self._units: dict[Hashable, list[torch.Tensor]] = {}
         self.peak_open_bytes = 0
 
     # ---- buffers -------------------------------------------------------------------------
-    def _zeros(self) -> list[torch.Tensor]:
+    def _fresh(self) -> BufferSet:
+        """A buffer set, uninitialised (pinned when host buffers serve GPU gradients): its first folds assign."""
         pin = self._device == "cpu" and any(t.device.type == "cuda" for t in self.templates)
-        return [torch.zeros(t.shape, dtype=dt, device=self._device or t.device, pin_memory=pin)
-                for t, dt in zip(self.templates, self._dtypes)]
+        return BufferSet([torch.empty(t.shape, dtype=dt, device=self._device or t.device, pin_memory=pin)
+                          for t, dt in zip(self.templates, self._dtypes, strict=True)])
 
-    def _round_buf(self) -> list[torch.Tensor]:
+    def _round_buf(self) -> BufferSet:
         if self._round is None:
-            self._round = self._zeros()
+            self._round = self._fresh()
         return self._round
 
     @property
     def param_bytes(self) -> int:
         """Bytes of one buffer set (one tensor per template in its buffer dtype)."""
-        return sum(t.numel() * torch.empty((), dtype=dt).element_size() for t, dt in zip(self.templates, self._dtypes))
+        return sum(t.numel() * dt.itemsize for t, dt in zip(self.templates, self._dtypes, strict=True))
 
     @property
     def open_bytes(self) -> int:
         """Bytes held now by open groups and units (the round buffer R not included)."""
         n_sets = sum(1 + (g.s_r is not None) for g in self._groups.values())
+        n_sets += sum(len(b) for b in self._buckets.values())
         return (n_sets + len(self._units)) * self.param_bytes
 
     def _track(self) -> None:
         self.peak_open_bytes = max(self.peak_open_bytes, self.open_bytes)
 
+    def holds(self, group_id: Hashable) -> bool:
+        """Whether the group has buffers open (members folded before its close)."""
+        return group_id in self._groups or group_id in self._buckets
+
     @property
     def open_groups(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self._buckets)
 
     @property
     def open_units(self) -> int:
@@ -134,10 +203,12 @@ class RoundGradAccumulator:
         known at arrival, so (r - b) G goes straight into R and the group holds one buffer (S_1).
         The rewards themselves are not recorded here: close_group takes the group's statistics.
         """
+        if group_id in self._buckets:
+            raise ValueError(f"group {group_id!r}: already streaming in reward-value buckets")
         g = self._groups.get(group_id)
         if g is None:
             g = self._groups[group_id] = _OpenGroup(float(reward) if self.center else 0.0, norm_by_std,
-                                                    self._zeros() if norm_by_std else None, self._zeros())
+                                                    self._fresh() if norm_by_std else None, self._fresh())
         if g.norm_by_std != norm_by_std:
             raise ValueError(f"group {group_id!r}: members disagree on norm_by_std")
         delta = float(reward) - g.baseline  # float64 on the host, exact at the reward's scale
@@ -153,11 +224,32 @@ class RoundGradAccumulator:
             self._fold([(self._round_buf(), stats.scale)], g.s_r)
         self._fold([(self._round_buf(), -(stats.mean - g.baseline) * stats.scale)], g.s_1)
 
+    # ---- GRPO-style groups of any group-wise estimator: reward-value buckets --------------------
+    def add_to_bucket(self, group_id: Hashable, reward: float, grads: Sequence[torch.Tensor | None]) -> None:
+        """B_{g,v} += G for members of group g with reward v (grads: the sum of their G_i, advantage 1)."""
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id!r}: already streaming in the affine form (S_r, S_1)")
+        buckets = self._buckets.setdefault(group_id, {})
+        buf = buckets.get(float(reward))
+        if buf is None:
+            buf = buckets[float(reward)] = self._fresh()
+        self._fold([(buf, 1.0)], grads)
+        self._track()
+
+    def close_buckets(self, group_id: Hashable, advantage_of: Mapping[float, float]) -> None:
+        """Group close: R += A(v) * B_{g,v} for each reward value v of the group."""
+        buckets = self._buckets.pop(group_id, {})
+        missing = set(buckets) - {float(v) for v in advantage_of}
+        if missing:
+            raise ValueError(f"group {group_id!r}: no advantage for reward value(s) {sorted(missing)}")
+        for v, buf in buckets.items():
+            self._fold([(self._round_buf(), float(advantage_of[v]))], buf)
+
     # ---- units with a deferred scalar (OPD seq-mean-token-mean) ---------------------------
     def add_to_unit(self, unit_id: Hashable, grads: Sequence[torch.Tensor | None]) -> None:
         buf = self._units.get(unit_id)
         if buf is None:
-            buf = self._units[unit_id] = self._zeros()
+            buf = self._units[unit_id] = self._fresh()
         self._fold([(buf, 1.0)], grads)
         self._track()
 
@@ -173,13 +265,16 @@ class RoundGradAccumulator:
 
     def finalize(self, round_scale: float) -> list[torch.Tensor]:
         """Round close: Z * R, one tensor per template in the buffer dtype. All groups must be closed."""
-        if self._groups or self._units:
+        if self._groups or self._buckets or self._units:
             raise RuntimeError(
-                f"round closed with {len(self._groups)} open group(s) and {len(self._units)} open unit(s)"
+                f"round closed with {self.open_groups} open group(s) and {len(self._units)} open unit(s)"
             )
         self._sync()
         out = self._round_buf()
-        for b in out:
-            b.mul_(round_scale)
+        for i, b in enumerate(out):
+            if fresh(out, i):  # no gradient reached this tensor all round
+                b.zero_()
+            else:
+                b.mul_(round_scale)
         self._round = None
-        return out
+        return list(out)

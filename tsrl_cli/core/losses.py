@@ -18,10 +18,12 @@ from the last hidden states and the LM head, a few positions at a time (learner.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
+# The source of the aggregation and KL names; config.LossAgg and config.KLType copy them (tests/test_config.py).
 LOSS_AGG_MODES = (
     "token-mean",
     "seq-mean-token-mean",
@@ -204,8 +206,9 @@ def agg_loss(
 #
 # so the chunk's logit gradient is g_l (onehot - p) - g_H p (log p + H), in float32 like the upcast
 # logits, cast back to the logits' dtype as autograd's backward of `.float()` does; then
-# dhidden = dz @ W, dW = dz^T @ hidden (summed over chunks in float32, or float64 for float64 weights)
-# and dbias = sum dz.
+# dhidden = dz @ W, dW = dz^T @ hidden (summed over chunks in float32, or float64 for float64 weights;
+# weight_grad_into) and dbias = sum dz. Every matmul runs in the model's dtype: a bf16 model's head never
+# runs a float32 matmul (tests/core/test_chunked.py records the dtypes of each one).
 def _upcast(z: torch.Tensor) -> torch.Tensor:
     """The log-softmax's dtype (core.losses.token_logprobs): float32 for bf16/fp16 logits."""
     return z.float() if z.dtype in (torch.bfloat16, torch.float16) else z
@@ -229,6 +232,37 @@ def logit_grad(logp_C_V: torch.Tensor, targets_C: torch.Tensor, g_lp_C: torch.Te
         dz.addcmul_(p, g, value=-1.0)
         dz.scatter_add_(-1, targets_C[:, None], g)
     return dz
+
+
+@functools.cache
+def _cuda_addmm_into_float32() -> bool:
+    """Whether this torch's CUDA addmm sums bf16 inputs into a float32 `out` (its out_dtype overload; recent
+    torch releases): probed once per process on a 1 x 1 product."""
+    acc = torch.zeros(1, 1, device="cuda")
+    one = torch.ones(1, 1, device="cuda", dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):  # an older torch: no out_dtype, or self only in the inputs' dtype
+        return False
+    return True
+
+
+def weight_grad_into(dw_V_H: torch.Tensor, dz_C_V: torch.Tensor, h_C_H: torch.Tensor) -> None:
+    """dw += dz^T @ h: one chunk's share of the head's weight gradient, summed in dw's dtype (float32, or float64
+    for float64 weights). dz and h are in the model's dtype and so is the matmul. For bf16/fp16 a product of two
+    such numbers is exact in float32 (8 or 11 significant bits each, 24 in float32), so multiplying in bf16
+    with a float32 accumulator gives a float32 matmul's sums of the same values at the tensor cores' rate.
+    On CUDA the products go straight into dw (cuBLAS with a float32 C: no (V, H) temporary). Where no kernel
+    takes a float32 accumulator with bf16 inputs (the CPU, an older torch) each block of C vocabulary rows is
+    multiplied in bf16, rounded to bf16 once, and added to dw in float32: a (C, H) temporary at most."""
+    if dz_C_V.dtype == dw_V_H.dtype:  # float32 and float64 models: their own dtype
+        dw_V_H.addmm_(dz_C_V.t(), h_C_H)
+    elif dw_V_H.device.type == "cuda" and _cuda_addmm_into_float32():
+        torch.addmm(dw_V_H, dz_C_V.t(), h_C_H, out_dtype=dw_V_H.dtype, out=dw_V_H)
+    else:
+        rows = max(1, dz_C_V.shape[0])
+        for v in range(0, dw_V_H.shape[0], rows):
+            dw_V_H[v:v + rows] += dz_C_V[:, v:v + rows].t() @ h_C_H
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -276,13 +310,13 @@ class _ChunkedHead(torch.autograd.Function):
                             g_ent_M[part] if use_ent else None, ent[part])
             del logp
             dz_low = dz.to(h.dtype)  # autograd's backward of the upcast: rounded to the logits' own dtype
-            if dz_low is not dz:
-                dz.copy_(dz_low)  # the same rounded values, in float32 for the sums over chunks below
             if dh is not None:
                 dh[part] = dz_low @ w
             if dw is not None:  # summed over chunks in float32 (float64), rounded once at the end, as one matmul is
-                dw.addmm_(dz.t(), hc.to(acc_dtype))
+                weight_grad_into(dw, dz_low, hc)
             if db is not None:
+                if dz_low is not dz:
+                    dz.copy_(dz_low)  # the same rounded values, summed in float32
                 db += dz.sum(0)
             del dz, dz_low
         return (dh, None if dw is None else dw.to(w.dtype), None if db is None else db.to(b.dtype),
@@ -310,3 +344,27 @@ def chunked_token_logprobs(hidden_B_T_H: torch.Tensor, weight_V_H: torch.Tensor,
     if not entropy:
         return lp, None
     return lp, torch.cat([ent.new_zeros(B, 1), ent.view(B, T - 1)], dim=1)
+
+
+def selected_token_logprobs(hidden_B_T_H: torch.Tensor, weight_V_H: torch.Tensor, bias_V: torch.Tensor | None,
+                            ids_B_T: torch.Tensor, select_B_T: torch.Tensor, chunk_tokens: int | None = None,
+                            entropy: bool = False, before_backward: Callable[[], None] | None = None,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) log-probs of ids (and entropies when asked) at the positions `select_B_T` marks, 0 elsewhere.
+
+    The LM head, the only full-vocabulary matmul, runs over the selected positions alone (a loss's scored
+    tokens): their values and gradients are chunked_token_logprobs' at those positions. Position 0 predicts
+    nothing and is never selected. chunk_tokens: positions per chunk (None: every selected one at once).
+    """
+    B, T, H = hidden_B_T_H.shape
+    sel = select_B_T[:, 1:].reshape(-1).nonzero().squeeze(-1)  # flat indices into (B, T - 1): j - 1 predicts ids[j]
+    h = hidden_B_T_H[:, :-1].reshape(-1, H).index_select(0, sel)
+    targets = ids_B_T[:, 1:].reshape(-1).index_select(0, sel)
+    chunk = int(chunk_tokens) if chunk_tokens else max(1, int(sel.numel()))
+    lp_sel, ent_sel = _ChunkedHead.apply(h, weight_V_H, bias_V, targets, chunk, bool(entropy), before_backward)
+
+    def placed(x):  # (M,) at the selected positions of a (B, T) tensor of zeros
+        flat = x.new_zeros(B * (T - 1)).index_copy(0, sel, x)
+        return torch.cat([x.new_zeros(B, 1), flat.view(B, T - 1)], dim=1)
+
+    return placed(lp_sel), (placed(ent_sel) if entropy else None)

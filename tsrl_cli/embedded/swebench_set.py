@@ -11,7 +11,8 @@ repository, shaped the way SWE-bench shapes a pull request:
                         system git config), so base_commit depends only on the content.
   patch                 the gold fix (`git diff`); test_patch puts the FAIL_TO_PASS tests back.
   image                 FROM the local base image (python3 3.11, pytest 7, git), the repository
-                        copied to /testbed, stop signal SIGKILL: `tsrl-local/sweb.eval.x86_64.<id, __ as _1776_>:<hash 12>`,
+                        copied to /testbed, stop signal SIGKILL:
+                        `tsrl-local/sweb.eval.x86_64.<id, __ as _1776_>:<hash 12>`,
                         the hash over the base image, the Dockerfile and base_commit, so a rebuild
                         with the same content finds the image and skips.
   eval_script           as in SWE-bench/SWE-bench_Verified's 5.x rows: cd /testbed, restore the test
@@ -212,7 +213,8 @@ def _instance(a, b, iid: str, root: Path, base_image: str) -> tuple[dict, str]:
         "problem_statement": a.problem_statement, "hints_text": "", "created_at": DATE, "version": VERSION,
         "FAIL_TO_PASS": json.dumps(a.fail_to_pass), "PASS_TO_PASS": json.dumps(a.pass_to_pass),
         "environment_setup_commit": base_commit, "difficulty": "<15 min fix",
-        "image": image_tag(iid, base_image, df, base_commit), "eval_script": eval_script(base_commit, test_files, test_patch),
+        "image": image_tag(iid, base_image, df, base_commit),
+        "eval_script": eval_script(base_commit, test_files, test_patch),
         "log_parser": "parse_log_pytest", "eval_type": "pass_and_fail",
     }
     return row, break_p2p
@@ -226,8 +228,8 @@ def build_key(seed: int, n_instances: int, repos: tuple[str, ...], base_image: s
         h.update(code.read_bytes())
     for name in repos:
         root = SRC_DIR / name
-        for f in sorted(p for p in root.rglob("*") if p.is_file() and not {"__pycache__", ".pytest_cache"} & set(p.parts)
-                        and p.suffix != ".pyc"):
+        for f in sorted(p for p in root.rglob("*") if p.is_file()
+                        and not {"__pycache__", ".pytest_cache"} & set(p.parts) and p.suffix != ".pyc"):
             h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -30,7 +30,20 @@ def _predicted(run_dir: Path, warmup: int) -> dict | None:
     except Exception as e:  # noqa: BLE001 - a prediction problem must not lose the measurements
         return {"error": f"{type(e).__name__}: {e}"}
     return {k: doc.get(k) for k in ("speedup", "speedup_async", "ceiling", "sync_s", "stream_s", "async_s",
-                                   "mean_abs_error_pct")}
+                                   "mean_abs_error_pct", "stream_group_s", "speedup_group", "arrival_icc")}
+
+
+# `--schedules` names: the schedules, and stream per group (learner.granularity group: a group's backwards wait
+# for its last member), measured beside stream per trajectory
+STREAM_GROUP = "stream-group"
+
+
+def run_config(base: TrainConfig, name: str, run_dir: Path) -> TrainConfig:
+    """The base config as schedule `name` runs it (stream-group: stream with learner.granularity group)."""
+    run = replace(base.run, out=str(run_dir), save_every=0, save_rollouts=False)
+    if name == STREAM_GROUP:
+        return replace(base, schedule="stream", run=run, learner=replace(base.learner, granularity="group"))
+    return replace(base, schedule=name, run=run)
 
 
 def bench_speedup(base: TrainConfig, out_root: str | Path, *, schedules: tuple[str, ...] = ("sync", "stream", "async"),
@@ -44,9 +57,10 @@ def bench_speedup(base: TrainConfig, out_root: str | Path, *, schedules: tuple[s
     for rep in range(repeats):
         for s in schedules:
             run_dir = out_root / s / f"rep{rep}"
-            cfg = replace(base, schedule=s, run=replace(base.run, out=str(run_dir), save_every=0, save_rollouts=False))
+            cfg = run_config(base, s, run_dir)
             progress({"event": "run", "schedule": s, "repeat": rep, "run_dir": str(run_dir)})
-            runs.append({"schedule": s, "repeat": rep, "run_dir": str(run_dir), "summary": train(cfg, progress=progress)})
+            runs.append({"schedule": s, "repeat": rep, "run_dir": str(run_dir),
+                         "summary": train(cfg, progress=progress)})
     return {**compare_runs(out_root, schedules, repeats, warmup), "rounds": base.rounds, "runs": runs}
 
 
@@ -68,7 +82,7 @@ def compare_runs(out_root: str | Path, schedules: tuple[str, ...], repeats: int,
             "reward_mean": statistics.fmean(r["reward_mean"] for r in rs),
         }
     base_t = out["schedules"].get("sync", {}).get("step_time_median_s")
-    for s, d in out["schedules"].items():
+    for _s, d in out["schedules"].items():
         d["speedup_vs_sync"] = base_t / d["step_time_median_s"] if base_t else None
     if "stream" in out["schedules"]:
         st = out["schedules"]["stream"]

@@ -11,8 +11,8 @@ after every step.
                   copy_to_params casts them into the parameters.
   learner group   FSDP2's MixedPrecisionPolicy (rl/group.py shard): the sharded parameters themselves are
                   the float32 masters, every unit is all-gathered in bf16 for the forward and backward, and
-                  the round's gradient reaches the sharded float32 p.grad unrounded. Rank 0's host copy of
-                  the policy (published, checkpointed) takes the gathered masters' cast.
+                  the round's gradient reaches the sharded float32 p.grad unrounded. The engines and rank 0's
+                  host copy of the policy (checkpointed) take the masters' cast, made on each shard.
 
 optimizer.pt keeps the single-process format plus `master_weights` ({index: full tensor}, the optimizer's
 parameters in order), so a run resumes on any number of ranks with the masters it stopped with.

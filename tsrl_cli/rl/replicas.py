@@ -7,7 +7,7 @@ Every variant is an *engine pool* with the same face to the rollout process's ag
 
 - LocalPool: the engine lives in the rollout process (one device; the default).
 - ReplicaPool: `devices.rollout` names N devices (cpu:N, 0-3): N `engine-k` processes, each one
-  engine and one batcher (engines/base.py make_batcher), fed through a request queue; the pool sends
+  engine and one batcher (engines/batching.py make_batcher), fed through a request queue; the pool sends
   each request to the replica with the fewest requests in flight (ties: the lowest index).
 - ServerPool: `rollout.engine: openai`, remote OpenAI-compatible servers (`tsrl serve`).
 
@@ -27,13 +27,16 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from tsrl_cli.config import TrainConfig
 from tsrl_cli.devices import rollout_replicas
 from tsrl_cli.engines.auth import client_api_key
-from tsrl_cli.engines.base import TurnRequest, apply_sync, make_batcher
+from tsrl_cli.engines.batching import make_batcher
 from tsrl_cli.engines.load import open_client, open_engine
+from tsrl_cli.engines.protocol import TurnRequest
+from tsrl_cli.engines.weight_sync import apply_sync
 from tsrl_cli.processes import (
     init_worker,
     peak_device_bytes,
@@ -42,7 +45,9 @@ from tsrl_cli.processes import (
     reset_peak_rss,
     sigterm_raises,
 )
-from tsrl_cli.rl.weightbus import WeightBus, bus_backend, bus_size, join_bus
+from tsrl_cli.rl.placement import Placement
+from tsrl_cli.rl.reports import Report
+from tsrl_cli.rl.weightbus import Bus, WeightBus
 
 
 def open_replica_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, devices: tuple[str, ...],
@@ -70,19 +75,19 @@ def open_replica_engine(cfg: TrainConfig, init_dir: str, policy_dir: str, device
 def replica_daemonic(cfg: TrainConfig, name: str) -> bool:
     """Whether worker process `name` of a run (rollout, engine-k, learner...) may be daemonic.
 
-    A vLLM engine over several devices (rollout.tensor_parallel > 1) starts a worker process per device,
-    and multiprocessing forbids a daemonic process to have children ("daemonic processes are not
-    allowed to have children"). Such an engine lives in `engine-k` when there are several replicas and
-    in the rollout process itself when there is one (LocalPool): those processes are started
-    non-daemonic. They still end with the run: Workers joins and terminates them, and
-    processes.exit_with ends them when the main process is gone.
+    A vLLM engine starts its engine core in a process of its own (engines/load.py open_engine), and over
+    several devices (rollout.tensor_parallel > 1) a worker process per device; multiprocessing forbids a
+    daemonic process to have children ("daemonic processes are not allowed to have children"). Such an
+    engine lives in `engine-k` when there are several replicas and in the rollout process itself when
+    there is one (LocalPool): those processes are started non-daemonic. They still end with the run:
+    Workers joins and terminates them, and processes.exit_with ends them when the main process is gone.
     """
     holds_engine = name.startswith("engine-") or (name == "rollout" and len(rollout_replicas(cfg)) == 1)
-    return not (holds_engine and cfg.rollout.engine == "vllm" and cfg.rollout.tensor_parallel > 1)
+    return not (holds_engine and cfg.rollout.engine == "vllm")
 
 
 def close_engine(engine) -> None:
-    """End an engine that holds processes of its own (vLLM over several devices: its engine core and
+    """End an engine that holds processes of its own (vLLM: its engine core, and over several devices its
     tensor-parallel workers), before its process returns. A multiprocessing child joins its non-daemonic
     children when its target returns (multiprocessing.util._exit_function), before any atexit hook: a
     process holding such an engine never exited (measured: still alive 120 s after its last turn), and
@@ -135,11 +140,11 @@ class _Pool:
 class LocalPool(_Pool):
     """The engine in the rollout process (one device)."""
 
-    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr):
-        devices = rollout_replicas(cfg)[0]
+    def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus: Bus | None,
+                 devices: tuple[str, ...]):
         self.engine, self.device = open_replica_engine(cfg, init_dir, policy_dir, devices, start_version)
-        # no bus address: an engine that never syncs (tests replaying rounds in one process)
-        self.host = EngineHost(self.engine, join_bus(cfg, bus_addr, 1, self.device) if bus_addr else None)
+        # no bus: an engine that never syncs (tests replaying rounds in one process)
+        self.host = EngineHost(self.engine, bus.join(1, self.device) if bus else None)
         self.batcher = make_batcher(self.engine, cfg.rollout.max_batch, cfg.rollout.batching)
         self.generate = self.batcher.generate
         self.name = type(self.engine).__name__
@@ -163,15 +168,30 @@ class LocalPool(_Pool):
 
 
 # ---- replica processes --------------------------------------------------------------------------
-def replica_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, index: int, req_q, resp_q,
-                 bus_addr, report_q) -> None:
+@dataclass(frozen=True)
+class ReplicaArgs:
+    """What engine replica process `engine-<index>` starts from (rl/train.py Workers)."""
+
+    cfg: TrainConfig
+    placement: Placement
+    init_dir: str
+    policy_dir: str
+    start_version: int
+    index: int
+    req_q: object  # ("gen", rid, request) | ("sync",) | ("stats",) | None
+    resp_q: object
+    report_q: object
+
+
+def replica_main(args: ReplicaArgs) -> None:
     """Engine replica `index` (process `engine-<index>`): answer ("gen", rid, request) with ("out", rid, output),
     ("sync",) with ("synced", index, info), ("stats",) with ("stats", index, figures); None ends it."""
     init_worker()
-    devices = rollout_replicas(cfg)[index]
-    engine, device = open_replica_engine(cfg, init_dir, policy_dir, devices, start_version)
-    host = EngineHost(engine, join_bus(cfg, bus_addr, 1 + index, device))
-    report_q.put(("ready", f"engine-{index}", None))
+    cfg, index, req_q, resp_q = args.cfg, args.index, args.req_q, args.resp_q
+    devices = args.placement.replicas[index]
+    engine, device = open_replica_engine(cfg, args.init_dir, args.policy_dir, devices, args.start_version)
+    host = EngineHost(engine, args.placement.bus.join(1 + index, device))
+    args.report_q.put((Report.ready, f"engine-{index}", None))
 
     async def serve() -> None:
         batcher = make_batcher(engine, cfg.rollout.max_batch, cfg.rollout.batching)
@@ -268,7 +288,8 @@ class ReplicaPool(_Pool):
         st = self._ask("stats")
         served, self.served = self.served, [0] * len(self.req_qs)
         return {"replicas": len(st), "replica_requests": served, "batching": [s["batching"] for s in st],
-                "peak_rss_replicas": [s["peak_rss"] for s in st], "peak_device_replicas": [s["peak_device"] for s in st]}
+                "peak_rss_replicas": [s["peak_rss"] for s in st],
+                "peak_device_replicas": [s["peak_device"] for s in st]}
 
     def close(self) -> None:
         for q in self.req_qs:
@@ -285,11 +306,11 @@ class ServerPool(_Pool):
     learner and the live servers join again with consecutive ranks.
     """
 
-    def __init__(self, cfg: TrainConfig, start_version: int, bus_addr, log):
-        self.cfg, self.bus_addr = cfg, bus_addr
+    def __init__(self, cfg: TrainConfig, start_version: int, bus: Bus, log):
+        self.cfg, self.bus = cfg, bus
         self.client = open_client(cfg.rollout.servers, timeout_s=cfg.rollout.server_timeout_s, log=log,
                                   api_key=client_api_key(cfg.rollout.server_api_key))
-        self.client.join_bus(bus_addr[0], bus_addr[1], 1, bus_size(cfg), bus_backend(cfg))
+        self.client.join_bus(bus.host, bus.port, 1, bus.world, bus.backend)
         self.generate = self.client.generate
         self.version = start_version
         self.name = "OpenAIEngine"
@@ -299,7 +320,7 @@ class ServerPool(_Pool):
         if len(self.client.dead) > self.lost:  # re-form the bus without the servers lost since the last one
             self.epoch, self.lost = self.epoch + 1, len(self.client.dead)
             world = 1 + len(self.client.servers) - self.lost
-            self.client.join_bus(self.bus_addr[0], self.bus_addr[1], 1, world, bus_backend(self.cfg), epoch=self.epoch)
+            self.client.join_bus(self.bus.host, self.bus.port, 1, world, self.bus.backend, epoch=self.epoch)
             return need, have, self.epoch, world
         return need, have
 
@@ -324,13 +345,14 @@ class ServerPool(_Pool):
         self.client.close()
 
 
-def make_pool(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, bus_addr, replica_qs, log):
+def make_pool(cfg: TrainConfig, placement: Placement, init_dir: str, policy_dir: str, start_version: int, replica_qs,
+              log):
     """The rollout process's engine pool for this config (replica_qs: (request queues, reply queue) or None)."""
     if cfg.rollout.engine == "openai":
-        return ServerPool(cfg, start_version, bus_addr, log)
+        return ServerPool(cfg, start_version, placement.bus, log)
     if replica_qs is not None:
         pool = ReplicaPool(*replica_qs)
         pool.version, pool.name = start_version, "VLLMEngine" if cfg.rollout.engine == "vllm" else "HFEngine"
         return pool
-    return LocalPool(cfg, init_dir, policy_dir, start_version, bus_addr)
+    return LocalPool(cfg, init_dir, policy_dir, start_version, placement.bus, placement.replicas[0])
 

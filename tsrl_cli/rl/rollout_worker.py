@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass
 
 from tsrl_cli.agent.latency import ToolLatency
 from tsrl_cli.agent.loop import AgentLimits, run_agent
 from tsrl_cli.agent.oracle import OracleSession
 from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, parse_base_images
-from tsrl_cli.engines.base import SamplingParams
-from tsrl_cli.errors import OperationFailed, UsageError
+from tsrl_cli.engines.protocol import SamplingParams
+from tsrl_cli.errors import OperationFailed
 from tsrl_cli.policy import load_tokenizer
 from tsrl_cli.processes import (
     init_worker,
@@ -40,57 +39,14 @@ from tsrl_cli.processes import (
     reset_peak_rss,
     sigterm_raises,
 )
+from tsrl_cli.rl.faults import fail_start_if_asked, hold_after_if_asked, hold_if_asked
 from tsrl_cli.rl.journal import Journal, closed_turns
+from tsrl_cli.rl.placement import Placement
 from tsrl_cli.rl.replicas import make_pool
+from tsrl_cli.rl.reports import Batching, Report, RolloutReport, Sampled, WeightSync
 from tsrl_cli.rl.tasks import load_task_table, make_task_env
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnClosed
 from tsrl_cli.rollouts import Rollout
-
-# Tests that kill or stop a run mid-round (tests/rl/test_faults.py) set TSRL_HOLD_ROLLOUT_AT_ROUND=K:PATH: the
-# rollout process, once it holds round K's weights and before its first trajectory, creates PATH and waits
-# while PATH exists. The signal then lands mid-round by construction, not by a poll that a loaded machine
-# can make late (the run finishing first). TSRL_HOLD_ROLLOUT_AFTER_TRAJECTORIES=K:N:PATH holds the same way once
-# N trajectories of round K have ended (each in the journal and on its way to the learner): a strike then lands
-# mid-round with exactly N of its trajectories done, since the hold stops the whole event loop. Unset in every
-# other use.
-HOLD_ENV = "TSRL_HOLD_ROLLOUT_AT_ROUND"
-HOLD_AFTER_ENV = "TSRL_HOLD_ROLLOUT_AFTER_TRAJECTORIES"
-
-
-def _hold(env: str, at: tuple[int, ...], example: str) -> None:
-    spec = os.environ.get(env)
-    if not spec:
-        return
-    *numbers, path = spec.split(":", len(at))
-    if not (len(numbers) == len(at) and all(n.isdigit() for n in numbers) and path):
-        raise UsageError(f"{env}={spec!r}: expected {example}")
-    if tuple(int(n) for n in numbers) == at:
-        Path(path).touch()
-        while os.path.exists(path):
-            time.sleep(0.05)
-
-
-def hold_if_asked(round_: int) -> None:
-    _hold(HOLD_ENV, (round_,), "ROUND:PATH, e.g. 2:/tmp/held")
-
-
-def hold_after_if_asked(round_: int, ended: int) -> None:
-    _hold(HOLD_AFTER_ENV, (round_, ended), "ROUND:N:PATH, e.g. 3:3:/tmp/held")
-
-
-# metrics.jsonl's per-replica batching keys, from each replica batcher's take_stats() (engines/base.py BatchingStats)
-BATCHING_METRICS = {"generated_tokens": "replica_generated_tokens", "tokens_per_s": "replica_tokens_per_s",
-                    "queue_wait_mean_s": "replica_queue_wait_mean_s", "queue_wait_p95_s": "replica_queue_wait_p95_s",
-                    "running_mean": "replica_running_mean", "steps": "replica_engine_steps"}
-
-
-def batching_metrics(per_replica: list[dict] | None) -> dict:
-    """The round's batching metrics: `rollout_batching` (continuous | static) and one list per figure, an entry
-    per replica in replica order; all None for remote servers (rollout.engine openai), which batch for themselves."""
-    if per_replica is None:
-        return {"rollout_batching": None, **dict.fromkeys(BATCHING_METRICS.values())}
-    return {"rollout_batching": per_replica[0]["batching"],
-            **{key: [r[figure] for r in per_replica] for figure, key in BATCHING_METRICS.items()}}
 
 
 class EnvironmentFailed(OperationFailed):
@@ -99,19 +55,20 @@ class EnvironmentFailed(OperationFailed):
 
 class RolloutWorker:
     """want_q: (need, have) requests to the learner's publisher for a weight-bus sync, None at the end;
+    placement: the run's (rl/placement.py; None: this config's, without a weight bus);
     replica_qs: the replica processes' (request queues, reply queue) when devices.rollout names several;
     run_dir: where journaled rounds' trajectories are written as they end (rl/journal.py; None: nowhere);
     resumed: a resumed run's journaled trajectories of its first round, sent again instead of generated."""
 
     def __init__(self, cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, out_q, want_q,
-                 report_q, bus_addr, replica_qs=None, run_dir: str | None = None,
+                 report_q, placement: Placement | None = None, replica_qs=None, run_dir: str | None = None,
                  resumed: list[TrajectoryDone] | tuple = ()):
         self.cfg, self.out_q, self.want_q, self.report_q = cfg, out_q, want_q, report_q
         self.journal = Journal(run_dir) if run_dir is not None else None
         self.resumed = list(resumed)
         ro = cfg.rollout
-        self.pool = make_pool(cfg, init_dir, policy_dir, start_version, bus_addr, replica_qs,
-                              log=lambda line: report_q.put(("log", "rollout", line)))
+        self.pool = make_pool(cfg, placement or Placement.of(cfg), init_dir, policy_dir, start_version, replica_qs,
+                              log=lambda line: report_q.put((Report.log, "rollout", line)))
         self.device = self.pool.device  # where this process's own engine is, if it has one
         self.renderer = make_renderer(load_tokenizer(init_dir), cfg.model.chat_template, ro.thinking)
         if ro.engine == "openai":  # remote servers hold whatever they loaded: start them on the run's weights
@@ -140,7 +97,8 @@ class RolloutWorker:
             return
         info = self._sync(need, have)
         if info is not None:
-            self.report_q.put(("weights_applied", info["version"], info))
+            self.report_q.put((Report.weights_applied, info["version"],
+                               WeightSync(info["start"], info["end"], info["bytes"], info["hosts"])))
 
     def _sync(self, need: int, have: int) -> dict | None:
         """Ask the learner's publisher for version >= need and take it into every engine."""
@@ -148,69 +106,68 @@ class RolloutWorker:
         return self.pool.sync()
 
     # ---- one round ----------------------------------------------------------------------------
-    async def generate_round(self, plan: RoundPlan) -> dict:
+    async def generate_round(self, plan: RoundPlan) -> RolloutReport:
         version = self.pool.version  # frozen for the whole round: weights change only between rounds
         sem = asyncio.Semaphore(self.cfg.rollout.concurrency)
         done: list[TrajectoryDone] = []
         started = 0
-        env_errors: list[TrajectoryDone] = []
+        failed: list[TrajectoryDone] = []  # infrastructure failures: masked out of their groups and the loss
         allowed = self.cfg.rollout.max_env_error_frac * plan.num_trajectories
 
-        async def one(spec: GroupSpec, i: int) -> None:
+        async def one(k: int, spec: GroupSpec, i: int) -> None:
             nonlocal started
             async with sem:
                 started += 1
-                msg = await self.run_one(plan.round, version, spec, i)
-            if msg.exit_reason.startswith("env_error"):
-                env_errors.append(msg)
-                if len(env_errors) > allowed:  # before the learner sees it: no step on a broken environment
+                msg = await self.run_one(plan.round, version, spec, i, group_index=k)
+            if msg.rollout.masked:
+                failed.append(msg)
+                if len(failed) > allowed:  # before the learner sees it: no step on a broken infrastructure
+                    first = failed[0].exit_reason.split(": ", 1)
                     raise EnvironmentFailed(
-                        f"round {plan.round}: {len(env_errors)} of {plan.num_trajectories} trajectories could not start "
-                        f"their environment (first: task {env_errors[0].task_key}: "
-                        f"{env_errors[0].exit_reason.removeprefix('env_error: ')}); rollout.max_env_error_frac is "
-                        f"{self.cfg.rollout.max_env_error_frac:g}: check the task with `tsrl env exec`, or raise it")
+                        f"round {plan.round}: {len(failed)} of {plan.num_trajectories} trajectories failed for their "
+                        f"infrastructure (first: task {failed[0].task_key}: {first[0]}: {first[-1]}); "
+                        f"rollout.max_env_error_frac is {self.cfg.rollout.max_env_error_frac:g}: check the task with "
+                        "`tsrl env exec` (and the engines), or raise it")
             if plan.journal and self.journal is not None:  # durable before the learner sees it
                 self.journal.write(msg)
             self.out_q.put(msg)
             done.append(msg)
-            self.report_q.put(("progress", "rollout", {"round": plan.round, "done": len(done),
-                                                       "in_flight": started - len(done),
-                                                       "total": plan.num_trajectories}))
+            self.report_q.put((Report.progress, "rollout", {"round": plan.round, "done": len(done),
+                                                            "in_flight": started - len(done),
+                                                            "total": plan.num_trajectories}))
             hold_after_if_asked(plan.round, len(done))
 
         start = time.monotonic()
         replayed = self.replay(plan.round)  # a resumed round: what the journal holds, sent again
         done += replayed
-        env_errors += [m for m in replayed if m.exit_reason.startswith("env_error")]
+        failed += [m for m in replayed if m.rollout.masked]
         have = {m.rollout.key for m in replayed}
-        await asyncio.gather(*(one(g, i) for g in plan.groups for i in range(g.size) if (g.group_id, i) not in have))
+        await asyncio.gather(*(one(k, g, i) for k, g in enumerate(plan.groups) for i in range(g.size)
+                               if (g.group_id, i) not in have))
         end = time.monotonic()
         stats = self.pool.stats()
         rewards = [m.rollout.reward for m in done]
-        report = {
-            "version": version, "gen_start": start, "gen_end": end,
-            "last_finished": max(m.finished_at for m in done),
-            "trajectories": len(done),
-            "tokens": sum(len(m.rollout.input_ids) for m in done),
-            "loss_tokens": sum(m.rollout.num_loss_tokens for m in done),
-            "reward_mean": statistics.fmean(rewards),
-            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            "turns_mean": statistics.fmean(m.num_turns for m in done),
-            "exit_reasons": dict(Counter(m.exit_reason.split(":")[0] for m in done)),
-            "env_errors": len(env_errors), "resumed_trajectories": len(replayed),
-            "tool_call_errors": sum(len(m.tool_call_errors) for m in done),
-            "tool_call_error_kinds": dict(Counter(k for m in done for k in m.tool_call_errors)),
+        in_order = sorted(done, key=lambda m: m.rollout.key)
+        return RolloutReport(
+            version=version, gen_start=start, gen_end=end, last_finished=max(m.finished_at for m in done),
+            trajectories=len(done), tokens=sum(len(m.rollout.input_ids) for m in done),
+            loss_tokens=sum(m.rollout.num_loss_tokens for m in done), reward_mean=statistics.fmean(rewards),
+            reward_std=statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            turns_mean=statistics.fmean(m.num_turns for m in done),
+            exit_reasons=dict(Counter(m.exit_reason.split(":")[0] for m in done)),
+            env_errors=sum(m.exit_reason.startswith("env_error") for m in done), masked_trajectories=len(failed),
+            resumed_trajectories=len(replayed),
+            tool_call_errors=sum(len(m.tool_call_errors) for m in done),
+            tool_call_error_kinds=dict(Counter(k for m in done for k in m.tool_call_errors)),
             # what this side sampled, per trajectory in key order (events.jsonl `sampled`: the bias audit's reference)
-            "sampled": {"tasks": dict(Counter(m.task_key for m in done)),
-                        "tokens": [len(m.rollout.input_ids) for m in sorted(done, key=lambda m: m.rollout.key)],
-                        "turns": [m.num_turns for m in sorted(done, key=lambda m: m.rollout.key)]},
-            "tool_s": sum(m.tool_s for m in done), "injected_s": sum(m.injected_s for m in done),
-            "engine": self.pool.name, **stats, "batching": batching_metrics(stats["batching"]),
-        }
-        if self.cfg.run.save_rollouts:
-            report["rollouts"] = [{**m.rollout.to_json(), "round": plan.round, "policy_version": m.policy_version}
-                                  for m in sorted(done, key=lambda m: m.rollout.key)]
-        return report
+            sampled=Sampled(tasks=dict(Counter(m.task_key for m in done)),
+                            tokens=[len(m.rollout.input_ids) for m in in_order], turns=[m.num_turns for m in in_order]),
+            tool_s=sum(m.tool_s for m in done), injected_s=sum(m.injected_s for m in done),
+            engine=self.pool.name, replicas=stats["replicas"], batching=Batching.of(stats["batching"]),
+            replica_requests=stats.get("replica_requests"), peak_rss_replicas=stats.get("peak_rss_replicas"),
+            peak_device_replicas=stats.get("peak_device_replicas"),
+            rollouts=[{**m.rollout.to_json(), "round": plan.round, "policy_version": m.policy_version}
+                      for m in in_order] if self.cfg.run.save_rollouts else None)
 
     def replay(self, round_: int) -> list[TrajectoryDone]:
         """The resumed trajectories of this round, sent as they were when they ended (OPD: their closed turns
@@ -226,7 +183,9 @@ class RolloutWorker:
             out.append(m)
         return out
 
-    async def run_one(self, round_: int, version: int, spec: GroupSpec, i: int) -> TrajectoryDone:
+    async def run_one(self, round_: int, version: int, spec: GroupSpec, i: int, group_index: int = 0) -> TrajectoryDone:
+        """Sample i of group `spec`. A sandbox that does not start, or an engine that fails, ends it as an
+        infrastructure failure (Rollout.masked, exit env_error / engine_error): out of its group and the loss."""
         opd = self.cfg.objective == "opd"
 
         def on_turn(traj, k: int, last: bool) -> None:  # OPD: the turn goes to the teacher as it closes
@@ -240,10 +199,12 @@ class RolloutWorker:
             generate = OracleSession(self.renderer, env.oracle_command(), version, spec.task_key).generate
         try:
             try:
+                fail_start_if_asked(round_, group_index, i)
                 await env.start()
-            except Exception as e:  # noqa: BLE001 - a sandbox that cannot start: counted, and over the cap the run stops
+            except Exception as e:  # noqa: BLE001 - a sandbox that cannot start: masked, and over the cap the run stops
                 ids = self.renderer.prompt(self.renderer.system_prompt, env.instruction)
-                ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids))
+                ro = Rollout(spec.group_id, i, ids, [0] * len(ids), 0.0, [], behavior_logprobs=[0.0] * len(ids),
+                             masked=True)
                 return TrajectoryDone(round_, version, ro, spec.task_key, f"env_error: {type(e).__name__}: {e}", 0,
                                       time.monotonic())
             res = await run_agent(env, generate, self.renderer, group_id=spec.group_id, sample_index=i,
@@ -255,7 +216,9 @@ class RolloutWorker:
             raise RuntimeError(f"policy version changed inside round {round_}: {set(res.policy_versions)} != {version}")
         tools = [e for e in res.events if e["event"] == "tool"]
         rollout = res.rollout
-        if self.cfg.rollout.unsubmitted_reward is not None and res.exit_reason != "submitted":
+        if res.exit_reason.startswith("engine_error"):  # the engine failed, not the agent
+            rollout = dataclasses.replace(rollout, masked=True)
+        elif self.cfg.rollout.unsubmitted_reward is not None and res.exit_reason != "submitted":
             rollout = dataclasses.replace(rollout, reward=float(self.cfg.rollout.unsubmitted_reward))
         return TrajectoryDone(round_, version, rollout, spec.task_key, res.exit_reason, res.num_turns,
                               time.monotonic(), sum(e["duration_s"] for e in tools),
@@ -268,9 +231,8 @@ class RolloutWorker:
             reset_peak_rss()
             reset_peak_device(self.device)
             report = asyncio.run(self.generate_round(plan))
-            report["peak_rss"] = peak_rss_bytes()
-            report["peak_device"] = peak_device_bytes(self.device)
-            self.report_q.put(("rollout_round", plan.round, report))
+            report.peak_rss, report.peak_device = peak_rss_bytes(), peak_device_bytes(self.device)
+            self.report_q.put((Report.rollout_round, plan.round, report))
         # The last round ends with its weight sync (on-policy); async leaves the newest weights unused.
         if self.on_policy:
             self.take_weights(need=plans[-1].round)
@@ -278,16 +240,33 @@ class RolloutWorker:
         self.pool.close()
 
 
-def rollout_main(cfg: TrainConfig, init_dir: str, policy_dir: str, start_version: int, plans, out_q, want_q,
-                 report_q, go, bus_addr, replica_qs=None, run_dir=None, resumed=()) -> None:
-    """`go` (an Event) is set once every process is ready, so round 1 measures no start-up."""
+@dataclass(frozen=True)
+class RolloutArgs:
+    """What the rollout process starts from (rl/train.py Workers)."""
+
+    cfg: TrainConfig
+    placement: Placement
+    init_dir: str
+    policy_dir: str
+    start_version: int
+    plans: list[RoundPlan]
+    out_q: object  # trajectories (GRPO) or closed turns (OPD) leave here
+    want_q: object  # sync requests to the learner's publisher
+    report_q: object
+    go: object  # an Event, set once every process is ready: round 1 measures no start-up
+    replica_qs: tuple | None = None  # the replica processes' (request queues, reply queue)
+    run_dir: str | None = None
+    resumed: tuple[TrajectoryDone, ...] = ()
+
+
+def rollout_main(args: RolloutArgs) -> None:
     init_worker()
-    worker = RolloutWorker(cfg, init_dir, policy_dir, start_version, out_q, want_q, report_q, bus_addr, replica_qs,
-                           run_dir, resumed)
-    report_q.put(("ready", "rollout", None))
-    go.wait()
+    worker = RolloutWorker(args.cfg, args.init_dir, args.policy_dir, args.start_version, args.out_q, args.want_q,
+                           args.report_q, args.placement, args.replica_qs, args.run_dir, args.resumed)
+    args.report_q.put((Report.ready, "rollout", None))
+    args.go.wait()
     with sigterm_raises():  # failed or terminated: the engine's own processes (vLLM) still end
         try:
-            worker.run(plans)
+            worker.run(args.plans)
         finally:
             worker.pool.end()

@@ -1,4 +1,4 @@
-"""Three timings of one learner engine and one objective: `sync`, `stream`, `async`.
+"""Three timings of one round learner and one objective: `sync`, `stream`, `async`.
 
   sync    the lazy baseline: wait for every trajectory, then the round's gradient (one padded batch,
           or micro-batches under learner.max_microbatch_tokens; every advantage is known by then)
@@ -11,6 +11,7 @@
 Each function consumes one round's arrivals and returns the round's gradient and timing record;
 the learner process takes the optimizer step. On a learner group every rank runs the same function
 on the same arrivals (rank 0 reads the queue and broadcasts them). Times are time.monotonic() seconds.
+What a schedule drives is a ScheduleHost: rl/learner_worker.Learner, or a test's scripted learner.
 """
 
 from __future__ import annotations
@@ -18,15 +19,46 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
+from tsrl_cli.config import OffPolicyConfig
 from tsrl_cli.core.offpolicy import tis_weights
-from tsrl_cli.rl.learner import pad_rows
+from tsrl_cli.rl.learner import Objective, StreamLearner, pad_rows
+from tsrl_cli.rl.reports import (
+    BatchSpan,
+    Certificate,
+    GroupClose,
+    Item,
+    LearnerWork,
+    TrajectoryEnd,
+    TrajectoryItem,
+    TurnItem,
+)
 from tsrl_cli.rl.types import RoundPlan, TrajectoryDone, TurnScored
 from tsrl_cli.rollouts import Rollout
 
 now = time.monotonic
+
+
+class ScheduleHost(Protocol):
+    """What the schedules use of the learner process (rl/learner_worker.Learner)."""
+
+    obj: Objective
+    version: int  # the weights being trained: an on-policy item must come from exactly these
+    coalesce_turns: bool  # stream: take every queued message at once (else one at a time, in arrival order)
+    sync_batching: str  # sync / async after the last arrival: padded | per_item (config.TrainConfig)
+    offpolicy: OffPolicyConfig  # async: max_staleness and tis_cap
+
+    def round_learner(self, plan: RoundPlan, *, token_weights=None, max_items: int | None = None
+                      ) -> StreamLearner: ...  # the round's StreamLearner on this rank
+
+    def receive(self, plan: RoundPlan, block: bool, limit: int | None = None) -> list: ...  # arrived messages
+
+    def progress(self, round_: int, work: RoundWork) -> None: ...  # a few progress reports per second
+
+    def finish(self, sl: StreamLearner, plan: RoundPlan, work: RoundWork) -> list | None: ...  # the round's gradient
 
 
 @dataclass
@@ -35,12 +67,13 @@ class RoundWork:
 
     opd: bool = False  # OPD: items are teacher-scored turns; GRPO: trajectories
     grads: list[torch.Tensor | None] | None = None  # None on a learner group: FSDP holds the sharded p.grad
-    items: list[dict] = field(default_factory=list)  # events.jsonl `item` rows (absolute times)
-    group_close: list[dict] = field(default_factory=list)
-    batch: dict | None = None  # sync/async: the lazy computation after the last arrival
+    items: list[Item] = field(default_factory=list)  # events.jsonl `item` rows (absolute times)
+    group_close: list[GroupClose] = field(default_factory=list)
+    batch: BatchSpan | None = None  # sync/async: the lazy computation after the last arrival
     busy_s: float = 0.0  # forward + backward seconds (the step is added by the learner)
     busy_cpu_s: float = 0.0  # this process's CPU seconds inside those spans (below busy_s: it shared a core)
     positions: int = 0  # token positions the backwards covered: rows x width per micro-batch (padding included)
+    real_positions: int = 0  # the same without padding: the rows' own lengths
     step_start: float = 0.0  # the gradient's final assembly starts here (stream: close_round)
     loss: float | None = None  # the lazy loss value (this rank's part on a group); stream never forms it
     accumulator_peak_bytes: int = 0
@@ -49,10 +82,10 @@ class RoundWork:
     microbatches: int = 0  # micro-batches of the round (all ranks')
     last_arrival: float = float("-inf")  # the last message of the round (the round cannot close before)
     rollouts: list[Rollout] = field(default_factory=list)  # final rollouts, in arrival order
-    verify: dict | None = None  # the exactness certificate's result this round (rl/certificate.py), or None
-    trajectories: list[dict] = field(default_factory=list)  # OPD: each trajectory's end (its turns are the items)
+    verify: Certificate | None = None  # the exactness certificate's result this round (rl/certificate.py)
+    trajectories: list[TrajectoryEnd] = field(default_factory=list)  # OPD: each trajectory's end (turns: the items)
     _members: Counter = field(default_factory=Counter)
-    _rows: dict = field(default_factory=dict)  # (group_id, sample_index, turn) -> its item row
+    _rows: dict[tuple, Item] = field(default_factory=dict)  # (group_id, sample_index, turn) -> its item row
 
     def record(self, msg, staleness: int, at: float) -> None:
         """An item row for a GRPO trajectory or an OPD turn; its backward times come when it runs."""
@@ -61,33 +94,31 @@ class RoundWork:
         if isinstance(msg, TurnScored):
             s, e = r.turn_spans[msg.turn]
             n = r.turn_tokens(msg.turn)
-            row = {"id": f"{r.group_id}/{r.sample_index}/t{msg.turn}", "group_id": r.group_id,
-                   "sample_index": r.sample_index, "turn": msg.turn, "finished_at": msg.finished_at,
-                   "backward_start": None if n else at, "backward_end": None if n else at, "tokens": e - s,
-                   "loss_tokens": n, "staleness": staleness, "reward": None, "share": 1.0,
-                   # where the turn's time went before the learner: rollout close -> teacher start -> scores
-                   "closed_at": msg.closed_at, "teacher_start": msg.teacher_start, "prefix_tokens": e,
-                   "last": msg.last}
+            row = TurnItem(id=f"{r.group_id}/{r.sample_index}/t{msg.turn}", group_id=r.group_id,
+                           sample_index=r.sample_index, turn=msg.turn, finished_at=msg.finished_at,
+                           backward_start=None if n else at, backward_end=None if n else at, tokens=e - s,
+                           loss_tokens=n, staleness=staleness, reward=None,
+                           # where the turn's time went before the learner: rollout close -> teacher start -> scores
+                           closed_at=msg.closed_at, teacher_start=msg.teacher_start, prefix_tokens=e, last=msg.last)
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, msg.turn)] = row
             return
         self.rollouts.append(r)
         # what the trajectory was (its model turns, why it ended: a limit or an error cuts it short)
-        end = {"turns": msg.num_turns, "exit": msg.exit_reason.split(":")[0]}
+        turns, exit_ = msg.num_turns, msg.exit_reason.split(":")[0]
         if not self.opd:  # GRPO: the trajectory is the item
             n = r.num_loss_tokens
-            row = {"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
-                   "sample_index": r.sample_index, "turn": None, "finished_at": msg.finished_at,
-                   "backward_start": None if n else at, "backward_end": None if n else at,
-                   "tokens": len(r.input_ids), "loss_tokens": n, "staleness": staleness, "reward": r.reward,
-                   "share": 1.0, **end}
+            row = TrajectoryItem(id=f"{r.group_id}/{r.sample_index}", group_id=r.group_id,
+                                 sample_index=r.sample_index, turn=None, finished_at=msg.finished_at,
+                                 backward_start=None if n else at, backward_end=None if n else at,
+                                 tokens=len(r.input_ids), loss_tokens=n, staleness=staleness, reward=r.reward,
+                                 turns=turns, exit=exit_)
             self.items.append(row)
             self._rows[(r.group_id, r.sample_index, None)] = row
         else:
-            self.trajectories.append({"id": f"{r.group_id}/{r.sample_index}", "group_id": r.group_id,
-                                      "sample_index": r.sample_index, "finished_at": msg.finished_at,
-                                      "tokens": len(r.input_ids), "loss_tokens": r.num_loss_tokens,
-                                      "staleness": staleness, "reward": r.reward, **end})
+            self.trajectories.append(TrajectoryEnd(f"{r.group_id}/{r.sample_index}", r.group_id, r.sample_index,
+                                                   msg.finished_at, len(r.input_ids), r.num_loss_tokens, staleness,
+                                                   r.reward, turns, exit_))
 
     def ran(self, batches, start: float, end: float, cpu_s: float = 0.0) -> None:
         """stream: the items of these micro-batches (one per rank) were backwarded in [start, end),
@@ -97,45 +128,45 @@ class RoundWork:
         self.busy_cpu_s += cpu_s
         self.microbatches += len(batches)
         self.positions += sum(b.tokens for b in batches)
+        self.real_positions += sum(b.real for b in batches)
         for b in batches:
             total = sum(it.rollout.turn_tokens(it.turn) if it.turn is not None else it.rollout.num_loss_tokens
                         for it in b.items) or 1
             for it in b.items:
                 row = self._rows.get((it.rollout.group_id, it.rollout.sample_index, it.turn))
                 if row is not None:
-                    row["backward_start"], row["backward_end"] = start, end
-                    row["share"] = row["loss_tokens"] / total
+                    row.backward_start, row.backward_end = start, end
+                    row.share = row.loss_tokens / total
 
     def deferred(self, idents) -> None:
         """stream: mark each item whose GRPO group (group_id) or OPD trajectory ((group_id, sample_index))
         loss.max_open_groups deferred to its close; every other item of the round was not deferred."""
         for (gid, i, _), row in self._rows.items():
-            row["deferred"] = (gid if not self.opd else (gid, i)) in idents
+            row.deferred = (gid if not self.opd else (gid, i)) in idents
 
     def trajectory_ended(self, r: Rollout, size: int, at: float) -> None:
         self._members[r.group_id] += 1
         if self._members[r.group_id] == size:
-            self.group_close.append({"group_id": r.group_id, "at": at})
+            self.group_close.append(GroupClose(r.group_id, at))
 
     def batched(self, start: float, end: float, padded: bool, cpu_s: float = 0.0) -> None:
         """sync/async: every item was backwarded after the last arrival, in [start, end)."""
         for it in self.items:
-            it["backward_start"], it["backward_end"] = start, end
-        self.batch = {"start": start, "end": end, "items": len(self.items), "padded": padded,
-                      "loss_tokens": sum(r.num_loss_tokens for r in self.rollouts)}
+            it.backward_start, it.backward_end = start, end
+        self.batch = BatchSpan(start, end, len(self.items), padded, sum(r.num_loss_tokens for r in self.rollouts))
         self.busy_s += end - start
         self.busy_cpu_s += cpu_s
 
-    def work(self) -> dict:
+    def work(self) -> LearnerWork:
         """The learner's work of the round in token positions, beside the two trajectory-level references:
         every trajectory once (sum T_i) and the lazy padded batch (B x T_max). An OPD turn's row covers its
         whole prefix, so per-turn streaming computes more than sum T_i: the re-encoding."""
         lengths = [len(r.input_ids) for r in self.rollouts]
-        return {"positions": self.positions, "trajectory_tokens": sum(lengths),
-                "padded_tokens": len(lengths) * max(lengths, default=0), "busy_cpu_s": self.busy_cpu_s}
+        return LearnerWork(self.positions, sum(lengths), len(lengths) * max(lengths, default=0), self.busy_cpu_s,
+                           self.real_positions)
 
 
-def _check_on_policy(learner, msg) -> int:
+def _check_on_policy(learner: ScheduleHost, msg) -> int:
     """stream and sync train on the frozen policy only: staleness 0, checked per item."""
     staleness = learner.version - msg.policy_version
     if staleness != 0:
@@ -144,13 +175,13 @@ def _check_on_policy(learner, msg) -> int:
     return 0
 
 
-def learn_stream(learner, plan: RoundPlan) -> RoundWork:
+def learn_stream(learner: ScheduleHost, plan: RoundPlan) -> RoundWork:
     """Backward what has arrived while the round goes on; join with one scalar at round close."""
-    sl = learner.engine(plan)
+    sl = learner.round_learner(plan)
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
     # without micro-batching each arrival is taken and backwarded alone, in arrival order: the float32 sums
     # then depend on that order only, not on how far the learner lags. OPD under `auto` takes what is queued,
-    # and its engine (one row per backward) puts a trajectory's queued turns in one row
+    # and its round learner (one row per backward) puts a trajectory's queued turns in one row
     limit = None if learner.coalesce_turns else 1
     ended = 0
     while ended < plan.num_trajectories or sl.has_work():
@@ -181,7 +212,7 @@ def learn_stream(learner, plan: RoundPlan) -> RoundWork:
     return work
 
 
-def _collect(learner, plan: RoundPlan, check) -> RoundWork:
+def _collect(learner: ScheduleHost, plan: RoundPlan, check) -> RoundWork:
     work, sizes = RoundWork(opd=learner.obj.kind == "opd"), plan.group_sizes()
     ended = 0
     while ended < plan.num_trajectories:
@@ -194,7 +225,7 @@ def _collect(learner, plan: RoundPlan, check) -> RoundWork:
     return work
 
 
-def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights=None) -> RoundWork:
+def _after_last_arrival(learner: ScheduleHost, plan: RoundPlan, work: RoundWork, token_weights=None) -> RoundWork:
     """The lazy computation: every trajectory of the round (advantages known), in key order.
 
     sync_batching `padded`: one padded batch (or micro-batches of learner.max_microbatch_tokens);
@@ -202,8 +233,8 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
     as if each had just arrived (an open group's members into S_r and S_1, OPD turns over their
     prefixes), all after the last arrival: the same learner work, so sync and stream differ in timing only.
     """
-    per_item = learner.cfg.sync_batching == "per_item"
-    sl = learner.engine(plan, token_weights=token_weights, max_items=1 if per_item else None)
+    per_item = learner.sync_batching == "per_item"
+    sl = learner.round_learner(plan, token_weights=token_weights, max_items=1 if per_item else None)
     t0, c0 = now(), time.process_time()
     feed_complete(sl, sorted(work.rollouts, key=lambda r: r.key), per_item)  # the order never changes the lazy sum
     work.grads = learner.finish(sl, plan, work)
@@ -211,6 +242,7 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
     work.batched(t0, t1, padded=not per_item, cpu_s=time.process_time() - c0)
     work.microbatches = len(sl.batches)
     work.positions = sum(b.tokens for b in sl.batches)
+    work.real_positions = sum(b.real for b in sl.batches)
     work.loss = sl.loss
     work.step_start = t1
     work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
@@ -220,9 +252,9 @@ def _after_last_arrival(learner, plan: RoundPlan, work: RoundWork, token_weights
 
 
 def feed_complete(sl, rollouts: list[Rollout], per_item: bool) -> None:
-    """Every trajectory of a round into engine `sl`, in the given order, and backward them all.
+    """Every trajectory of a round into round learner `sl`, in the given order, and backward them all.
     per_item False: as they come every group completes and every OPD trajectory is one row, so the
-    engine forms the lazy padded batch (split under its token cap). True: each item is backwarded as
+    learner forms the lazy padded batch (split under its token cap). True: each item is backwarded as
     if it had just arrived (an open group's members into S_r and S_1, OPD turns over their prefixes)."""
     for r in rollouts:
         if sl.obj.kind == "grpo":
@@ -239,19 +271,19 @@ def feed_complete(sl, rollouts: list[Rollout], per_item: bool) -> None:
     sl.drain()
 
 
-def learn_sync(learner, plan: RoundPlan) -> RoundWork:
+def learn_sync(learner: ScheduleHost, plan: RoundPlan) -> RoundWork:
     """The lazy synchronous baseline: wait for every trajectory, then the round's gradient."""
     return _after_last_arrival(learner, plan, _collect(learner, plan, _check_on_policy))
 
 
-def learn_async(learner, plan: RoundPlan) -> RoundWork:
+def learn_async(learner: ScheduleHost, plan: RoundPlan) -> RoundWork:
     """Off-policy baseline: the lazy loss on data the rollout side generated with older weights.
 
     Staleness (learner version - generating version) is recorded per item and bounded by
     max_staleness. With offpolicy.tis_cap set, each token's policy-gradient term is weighted by
     its truncated importance weight (core/offpolicy.py). Not exact, by design.
     """
-    bound = learner.cfg.offpolicy.max_staleness
+    bound = learner.offpolicy.max_staleness
 
     def check(lrn, msg) -> int:
         s = lrn.version - msg.policy_version
@@ -259,13 +291,13 @@ def learn_async(learner, plan: RoundPlan) -> RoundWork:
             raise RuntimeError(f"round {msg.round}: staleness {s} outside [0, {bound}]")
         return s
 
-    cap = learner.cfg.offpolicy.tis_cap
+    cap = learner.offpolicy.tis_cap
     work = _collect(learner, plan, check)
     return _after_last_arrival(learner, plan, work, token_weights=None if cap is None else tis(cap))
 
 
 def tis(cap: float):
-    """The engine's token weights for truncated importance sampling (async only, core.offpolicy.tis_weights):
+    """The round learner's token weights for truncated importance sampling (async only, core.offpolicy.tis_weights):
     w = min(exp(logp_old - logp_behavior), cap), detached, with logp_old the learner's own log-probs of the
     batch (one step per round: the current weights) and logp_behavior what the rollout engine sampled with."""
 

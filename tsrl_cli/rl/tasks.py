@@ -14,7 +14,7 @@ from tsrl_cli.agent.oracle import oracle_turn_tokens
 from tsrl_cli.agent.template import make_renderer
 from tsrl_cli.config import TrainConfig, parse_base_images
 from tsrl_cli.datasets.store import open_dataset
-from tsrl_cli.engines.base import request_seed
+from tsrl_cli.engines.protocol import request_seed
 from tsrl_cli.envs.images import build_task_images
 from tsrl_cli.envs.pull import require_images
 from tsrl_cli.envs.tasks import make_env
@@ -40,7 +40,8 @@ def load_task_table(datasets: tuple[str, ...], limit: int | None = None) -> dict
     return table
 
 
-def make_task_env(entry: tuple[Path | None, object], executor: str = "local", base_images: dict[str, str] | None = None):
+def make_task_env(entry: tuple[Path | None, object], executor: str = "local",
+                  base_images: dict[str, str] | None = None):
     """The AgentEnv for one task (call `await env.start()` first); base_images: docker.base_images, parsed."""
     d, task = entry
     if getattr(task, "kind", None) == "echo":

@@ -22,7 +22,7 @@ from pathlib import Path
 from tsrl_cli.config import TrainConfig, config_to_dict
 from tsrl_cli.errors import UsageError
 
-# tracker -> (importable module, pip extra of this package); config.validate_config allows the same names
+# tracker -> (importable module, pip extra of this package); config.Tracker allows the same names
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
 

@@ -1,5 +1,16 @@
 """What flows between the processes of a run. Plain picklable dataclasses; times are
-time.monotonic() seconds (one system-wide clock on Linux, so processes' stamps compare)."""
+time.monotonic() seconds (one system-wide clock on Linux, so processes' stamps compare).
+
+A trajectory's life, one name per stage:
+  TokenTrajectory (agent/renderer.py)   grows turn by turn in the agent loop: tokens, loss mask, turn spans
+  Rollout (rollouts.py)                 the finished record: tokens, mask, reward, spans, per-token scores (JSONL)
+  TurnClosed / TurnScored / TrajectoryDone (here)
+                                        the messages that carry it between processes: a closed model turn to the
+                                        teacher, its scores to the learner (OPD); the ended trajectory with its
+                                        reward (GRPO's learner input; OPD's end of a trajectory)
+  Arrival (rl/arrivals.py)              the round learner's queued unit of backward work: a trajectory, a turn
+  Item (rl/reports.py)                  its timing row in events.jsonl (finished, backward start and end)
+"""
 
 from __future__ import annotations
 

@@ -182,12 +182,13 @@ def _train(demos: list[dict], out: Path, cfg: PolicyBuildConfig, progress) -> tu
             progress("teacher branch started in a second process")
             student.sft(student_epoch, cfg.student_epochs, log=_copy_log("student ", losses, progress),
                         max_len=cfg.max_len)
-            _save_bf16(student.model, tok, out / "student", {**info, "role": "student", "sft_epochs": cfg.student_epochs,
-                                                            "logged_loss": losses})
+            _save_bf16(student.model, tok, out / "student",
+                       {**info, "role": "student", "sft_epochs": cfg.student_epochs, "logged_loss": losses})
             progress(f"student saved; waiting for the teacher branch ({cfg.teacher_epochs} epochs)")
             proc.join()
             if proc.exitcode != 0:
-                raise RuntimeError(f"the teacher's SFT branch failed (exit code {proc.exitcode}; its traceback is above)")
+                raise RuntimeError(f"the teacher's SFT branch failed (exit code {proc.exitcode}; "
+                                   "its traceback is above)")
         finally:
             if proc is not None and proc.is_alive():
                 proc.terminate()

@@ -79,7 +79,8 @@ def first_move(rng: random.Random, words: list[str], exts: list[str], families: 
     spec = ts.FAMILIES[rng.choice(families)](rng, words, exts)
     return {"task_id": "drill", "kind": "terminal", "instruction": spec.instruction,
             "messages": [{"role": "assistant",
-                          "content": f"THOUGHT: This does what the task asks.\n```bash\n{spec.solution[0]}\n```"}]}, spec
+                          "content": "THOUGHT: This does what the task asks.\n```bash\n"
+                                     f"{spec.solution[0]}\n```"}]}, spec
 
 
 def family_demos(rng: random.Random, alpha: list[str], batch: int) -> list[dict]:
@@ -167,5 +168,6 @@ class CopyTrainer:
                 if k % c.mix_every == 0:  # keep the copying alive
                     self.step(self.family_loss() if (k // c.mix_every) % 2 else self.drill_loss(), lr)
                 if k % 50 == 0:
-                    log({"phase": "sft", "epoch": e, "step": k, "of": per_epoch * epochs, "loss": round(loss.item(), 3)})
+                    log({"phase": "sft", "epoch": e, "step": k, "of": per_epoch * epochs,
+                         "loss": round(loss.item(), 3)})
             on_epoch(e)

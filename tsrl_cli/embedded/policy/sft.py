@@ -92,7 +92,7 @@ def train_sft(model, seqs: list[tuple[list[int], list[int]]], cfg: SFTConfig = S
     steps_per_epoch = math.ceil(len(seqs) / cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
