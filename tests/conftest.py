@@ -1,12 +1,83 @@
-"""Shared fixtures: tiny models built locally from a config (no hub), one torch thread."""
+"""Shared fixtures: tiny models built locally from a config (no hub), one torch thread; the test tiers (fast by
+default, `-m slow`, opt-in markers) and a time limit on every test."""
 
+import faulthandler
 import functools
+import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)  # measured here: extra OpenMP threads beside a busy process run far slower
+
+# Markers for what a plain CPU machine lacks (CUDA, the vllm package, the harbor CLI in its image): their tests
+# run only when `-m` names the marker, so `pytest -m vllm` selects and runs them and no other run does.
+OPT_IN = ("gpu", "vllm", "harbor")
+
+
+def pytest_addoption(parser):
+    parser.addini("slow_timeout", "time limit in seconds for slow and opt-in tests (`timeout`: the others')",
+                  default="600")
+    parser.addini("timeout_kill_grace", "seconds past a test's time limit before the whole run is ended", default="30")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip opt-in tests that `-m` does not name. Slow and opt-in tests (an engine or image to start), and tests
+    of the Docker base image (built on first use, minutes cold), get `slow_timeout` unless they set their own."""
+    named = set(re.findall(r"\w+", config.option.markexpr or ""))
+    slow_timeout = float(config.getini("slow_timeout"))
+    for item in items:
+        opt_in = [m for m in OPT_IN if item.get_closest_marker(m) is not None]
+        for marker in opt_in:
+            if marker not in named:
+                item.add_marker(pytest.mark.skip(reason=f"opt-in: runs with -m {marker}"))
+        heavy = opt_in or item.get_closest_marker("slow") is not None or "docker_base_image" in item.fixturenames
+        if heavy and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(slow_timeout))
+
+
+# Time limits: pytest-timeout's signal method (SIGALRM in this process) fails a test past its limit with the
+# stack of every thread, and the run goes on: the test's `with` blocks and fixtures unwind, which terminate the
+# subprocesses and worker pools it started (subprocess.run kills its child on any exception). The thread method
+# would instead end the whole run at the first hang, skipping every later test and orphaning those children.
+# A signal only lands while this process runs Python code; a hang inside C code that never returns (or with
+# SIGALRM blocked) is caught by a backstop: faulthandler's own watchdog thread needs neither, and dumps every
+# thread's stack then exits the run `timeout_kill_grace` seconds after the limit (children it started are left
+# to the CI job's end). Debugger sessions (--pdb, --trace) have no backstop.
+def pytest_configure(config):
+    # the terminal's stderr, copied before any test runs: fd 2 itself is captured during a test, and the
+    # backstop's dump must reach the terminal after the process is gone
+    config.stash[_BACKSTOP_FD] = os.dup(2)
+
+
+def pytest_unconfigure(config):
+    os.close(config.stash[_BACKSTOP_FD])
+
+
+_BACKSTOP_FD = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # the limit pytest-timeout applies: the test's marker, else --timeout, else the ini's `timeout`
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        limit = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+    elif item.config.getoption("timeout", None) is not None:
+        limit = item.config.getoption("timeout")
+    else:
+        limit = item.config.getini("timeout")
+    limit = float(limit or 0)
+    debugging = item.config.getoption("usepdb", False) or item.config.getoption("trace", False)
+    if limit > 0 and not debugging:
+        grace = float(item.config.getini("timeout_kill_grace"))
+        faulthandler.dump_traceback_later(limit + grace, exit=True, file=item.config.stash[_BACKSTOP_FD])
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_runtest_setup(item):

@@ -67,7 +67,8 @@ def _expand_braces(path: str) -> list[str]:
     if len(parts) == 1:
         return [path]
     fixed, choices = parts[::2], [p.split(",") for p in parts[1::2]]
-    return ["".join(itertools.chain.from_iterable(zip(fixed, combo + ("",)))) for combo in itertools.product(*choices)]
+    return ["".join(itertools.chain.from_iterable(zip(fixed, combo + ("",), strict=True)))
+            for combo in itertools.product(*choices)]
 
 
 def defines(path: Path, name: str) -> bool:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 OPT_IN_MARKS = ("vllm", "harbor", "gpu")
 
@@ -134,6 +136,7 @@ def test_control_a_stale_call_and_a_renamed_import_are_caught(tmp_path):
     assert found[3] == "test_x.py:9: tsrl_cli.devices has no no_such_helper"
 
 
+@pytest.mark.slow
 def test_opt_in_tests_collect():
     """Their module-level imports work here, vLLM or not (the tests import vllm inside themselves)."""
     tests = [str(p.relative_to(REPO)) for p in opt_in_files() if p.relative_to(REPO).parts[0] == "tests"]

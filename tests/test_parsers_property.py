@@ -35,7 +35,8 @@ FIND = settings(deadline=None, max_examples=2000)
 
 # JSON as Python decodes it: json.loads also reads NaN, Infinity and integers of any size
 scalars = st.none() | st.booleans() | st.integers() | st.integers(-2**1100, 2**1100) | st.floats() | st.text(max_size=8)
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+json_values = st.recursive(scalars,
+                           lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=8), c, max_size=4),
                            max_leaves=12)
 
 GOOD = {"group_id": "q1", "sample_index": 0, "input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 0],

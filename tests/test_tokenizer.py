@@ -18,7 +18,7 @@ def pieces(tok, text: str, word: str) -> list[str]:
     enc = tok(text, return_offsets_mapping=True, add_special_tokens=False)
     s = text.index(word)
     e = s + len(word)
-    return [tok.convert_ids_to_tokens(i) for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+    return [tok.convert_ids_to_tokens(i) for i, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
             if a < e and b > s]
 
 

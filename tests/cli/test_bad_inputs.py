@@ -1,6 +1,7 @@
 """Every command answers bad input the same way: exit 2, one `error:` line on stderr naming the place and
 the fix, last on stderr (progress lines may come before it), no traceback, nothing on stdout, and nothing
-written: a run folder named by --out is not created, or stays empty. The table covers every command and each kind of bad input it takes: missing and
+written: a run folder named by --out is not created, or stays empty. The table covers every command and each
+kind of bad input it takes: missing and
 wrong-kind paths, corrupt parquet / safetensors / JSONL / YAML / JSON, wrong types, unknown keys,
 out-of-range values, a model folder without a tokenizer. docs/reliability.md counts this table."""
 
@@ -75,7 +76,8 @@ CASES = [
     ("train --set rollout.tensor_parallel=2 --out {t}/out", "only the vllm engine"),
     ("serve --model {t}/nonexistent --port 0", "not a model directory"),
     ("serve --model {t}/tokenless --host 0.0.0.0 --port 0", "without an API key"),  # (TSRL_API_KEY unset)
-    ("serve --model {t}/tokenless --api-key 'two words' --port 0", "--api-key (or TSRL_API_KEY): an API key is visible"),
+    ("serve --model {t}/tokenless --api-key 'two words' --port 0",
+     "--api-key (or TSRL_API_KEY): an API key is visible"),
     ("serve --model {t}/tokenless --max-body-mb 0 --port 0", "--max-body-mb 0"),
     (("train --set rollout.engine=openai --set rollout.servers=[http://127.0.0.1:1] "
       "--set 'rollout.server_api_key=two words' --out {t}/out"), "rollout.server_api_key"),
@@ -130,8 +132,8 @@ CASES = [
     ("eval tbench --dataset {t}/dataset --executor local --model {t}/tokenless --out {t}/out", "tokenizer"),
 ]
 COMMANDS = {"verify", "prepare-data", "data show", "data check", "env exec", "env list", "policy probe", "train",
-            "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench", "serve",
-            "plan"}
+            "bench speedup", "sweep", "predict", "calibrate", "report", "eval embedded", "eval swebench", "eval tbench",
+            "serve", "plan"}
 
 
 @pytest.fixture(scope="module")

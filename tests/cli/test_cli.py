@@ -62,14 +62,16 @@ def test_bad_input_exit_2_one_line(args, msg):
 
 def test_malformed_rollouts_exit_2_with_line(tmp_path):
     p = tmp_path / "r.jsonl"
-    p.write_text('{"group_id": "a", "sample_index": 0, "input_ids": [1, 2], "loss_mask": [0, 1], "reward": 1, "turn_spans": [[1, 2]]}\n{"group_id": "a"}\n')
+    p.write_text('{"group_id": "a", "sample_index": 0, "input_ids": [1, 2], "loss_mask": [0, 1], "reward": 1, '
+                 '"turn_spans": [[1, 2]]}\n{"group_id": "a"}\n')
     res = run("verify", "--rollouts", str(p))
     assert res.exit_code == 2 and f"{p}:2: missing field" in res.stderr
 
 
 def test_token_ids_beyond_vocab_exit_2(tmp_path):
     p = tmp_path / "r.jsonl"
-    p.write_text('{"group_id": "a", "sample_index": 0, "input_ids": [1, 999], "loss_mask": [0, 1], "reward": 1, "turn_spans": [[1, 2]]}\n')
+    p.write_text('{"group_id": "a", "sample_index": 0, "input_ids": [1, 999], "loss_mask": [0, 1], "reward": 1, '
+                 '"turn_spans": [[1, 2]]}\n')
     res = run("verify", "--rollouts", str(p))
     assert res.exit_code == 2 and "vocabulary" in res.stderr
 
@@ -85,7 +87,8 @@ def test_user_model_dir_rollouts_file_and_saved_grads(tmp_path):
     rows = []
     for g in range(2):
         for i in range(3):
-            rows.append({"group_id": f"q{g}", "sample_index": i, "input_ids": [(7 * g + 3 * i + j) % 96 for j in range(12)],
+            rows.append({"group_id": f"q{g}", "sample_index": i,
+                         "input_ids": [(7 * g + 3 * i + j) % 96 for j in range(12)],
                          "loss_mask": [0] * 4 + [1] * 4 + [0] * 2 + [1] * 2, "reward": float((g + i) % 2) + 0.1 * i,
                          "turn_spans": [[4, 8], [10, 12]], "teacher_logprobs": [-1.0 - 0.1 * j for j in range(12)]})
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")

@@ -43,7 +43,8 @@ def test_json_is_one_document(fixtures):
     assert res.exit_code == 0
     doc = json.loads(res.stdout)
     assert doc["written"] == 1 and doc["counts"][-2] == ["language go", 1]
-    again = json.loads(run("prepare-data", "swe-smith", "--from", fixtures / "swe_smith", "--json", "--language", "go").stdout)
+    again = json.loads(run("prepare-data", "swe-smith", "--from", fixtures / "swe_smith", "--json",
+                           "--language", "go").stdout)
     assert again["unchanged"] and again["content_sha256"] == doc["content_sha256"]
 
 
@@ -57,7 +58,8 @@ def test_counts_printed_after_each_filter(fixtures):
 
 
 def test_malformed_row_exit_2_names_row_and_field(fixtures):
-    res = run("prepare-data", "swebench-verified", "--from", fixtures / "malformed" / "swebench_missing_base_commit.jsonl")
+    res = run("prepare-data", "swebench-verified", "--from",
+              fixtures / "malformed" / "swebench_missing_base_commit.jsonl")
     assert res.exit_code == 2
     assert "swebench_missing_base_commit.jsonl:2 (django__django-11099): field 'base_commit': missing" in res.stderr
     assert "--on-error skip" in res.stderr
@@ -106,7 +108,8 @@ def test_help_imports_no_heavy_modules():
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from tsrl_cli.cli import app\n"
-        "for args in (['--help'], ['prepare-data', '--help'], ['data', 'show', '--help'], ['data', 'check', '--help']):\n"
+        "for args in (['--help'], ['prepare-data', '--help'], ['data', 'show', '--help'],\n"
+        "             ['data', 'check', '--help']):\n"
         "    assert CliRunner().invoke(app, args).exit_code == 0\n"
         "print(sorted(m for m in ('torch', 'pyarrow', 'pandas', 'datasets', 'huggingface_hub') if m in sys.modules))"
     )

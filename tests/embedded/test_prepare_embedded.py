@@ -21,6 +21,7 @@ def built(tmp_path_factory):
     return root, prepare_embedded(root, seed=0, **SMALL)
 
 
+@pytest.mark.slow
 def test_four_datasets_checked_and_separated(built):
     root, res = built
     for name in EMBEDDED_SETS:
@@ -33,6 +34,7 @@ def test_four_datasets_checked_and_separated(built):
     assert not list(root.glob(".embedded-stage-*"))  # staging removed
 
 
+@pytest.mark.slow
 def test_rebuild_is_deterministic_and_a_no_op(built):
     root, first = built
     again = prepare_embedded(root, seed=0, **SMALL)
@@ -41,6 +43,7 @@ def test_rebuild_is_deterministic_and_a_no_op(built):
 
 
 @pytest.mark.sandboxed
+@pytest.mark.slow
 def test_env_exec_runs_the_failing_tests(built):
     root, _ = built
     tasks = open_dataset(str(root / "embedded_repair_train")).tasks
@@ -51,6 +54,7 @@ def test_env_exec_runs_the_failing_tests(built):
         assert f"FAILED {test}" in res.stdout
 
 
+@pytest.mark.slow
 def test_cli_embedded_json(tmp_path, monkeypatch):
     import tsrl_cli.embedded.prepare as ep
 

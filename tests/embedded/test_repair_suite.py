@@ -42,6 +42,7 @@ def _tasks(suite):
     return suite["train"] + suite["heldout"]
 
 
+@pytest.mark.slow
 def test_clean_repositories_pass():
     names = repo_names()
     assert len(names) >= 8
@@ -63,6 +64,7 @@ def test_mutations_are_one_line_and_deterministic():
         assert len(changed) == 2, m
 
 
+@pytest.mark.slow
 def test_same_seed_same_tasks(built, tmp_path):
     _, first = built
     second = _build(tmp_path)
@@ -108,6 +110,7 @@ def _run(repo: Path, task) -> dict:
 
 
 @needs_git
+@pytest.mark.slow
 def test_start_state_fails_and_gold_patch_fixes(built, tmp_path):
     out, suite = built
     for t in _tasks(suite):

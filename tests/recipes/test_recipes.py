@@ -53,6 +53,7 @@ def test_script_imports_what_it_uses(script):
 
 
 @pytest.mark.parametrize("script", [p for p in SCRIPTS if p.name != "summarize.py"], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_script_help(script):
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
                          check=False)

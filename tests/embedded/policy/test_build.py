@@ -55,6 +55,7 @@ def test_made_up_names_avoid_every_split(tmp_path):
     assert len({t.instruction for _, t in a}) == len(a) >= 7
 
 
+@pytest.mark.slow
 def test_validated_states_give_the_verifiers_reward(root, monkeypatch):
     """Start, gold and a wrong state: the shortcut's reward equals pytest's; a wrong state runs pytest."""
     d, t = open_dataset(root / "embedded_repair_train").pairs[0]
@@ -81,6 +82,7 @@ def test_validated_states_give_the_verifiers_reward(root, monkeypatch):
         assert real["reward"] == res["reward"] and "validated" not in real["reason"], (v, real, res)
 
 
+@pytest.mark.slow
 def test_tiny_build_end_to_end_reuse_and_branches(root, tmp_path):
     """The recipe end to end: word-stable tokenizer, the student's phase C without the terminal training
     split's demonstrations, the teacher's with only the solved ones (its own repair repeat); kept when built
@@ -105,7 +107,8 @@ def test_tiny_build_end_to_end_reuse_and_branches(root, tmp_path):
     assert next(s.parameters()).dtype == torch.float32  # stored in bf16, loaded in the asked dtype
     assert tok.get_vocab() == tok_t.get_vocab()  # OPD needs one tokenizer
     assert tok("`plum`")["input_ids"][1:-1] == tok(" plum")["input_ids"][1:]  # word-stable: same ids in any context
-    assert len(s.model.layers) == 1 and any(not torch.equal(a, b) for a, b in zip(s.parameters(), te.parameters()))
+    assert len(s.model.layers) == 1
+    assert any(not torch.equal(a, b) for a, b in zip(s.parameters(), te.parameters(), strict=True))
     for role in ("student", "teacher"):
         info = json.loads((tmp_path / "pol" / role / "policy.json").read_text())
         assert info["role"] == role and info["sft_epochs"] == {"student": 1, "teacher": 2}[role]
@@ -128,7 +131,7 @@ def test_tiny_build_end_to_end_reuse_and_branches(root, tmp_path):
     finally:
         torch.set_num_threads(threads)
     for built, ref in ((s, ref_s.model), (te, ref_t.model)):
-        for (name, a), b in zip(built.named_parameters(), ref.parameters()):
+        for (name, a), b in zip(built.named_parameters(), ref.parameters(), strict=True):
             assert torch.equal(a, b.detach().to(torch.bfloat16).float()), name
 
 

@@ -42,7 +42,8 @@ def fresh(tok, seed=0) -> CopyTrainer:
 
 
 def same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
+    pairs = zip(a.model.state_dict().values(), b.model.state_dict().values(), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
 
 
 def test_drill_batch_is_a_copy(tok):

@@ -21,7 +21,7 @@ from tsrl_cli.embedded.policy.demos import (
 )
 from tsrl_cli.embedded.policy.sft import SFTConfig, collate, encode_demos, masked_nll, train_sft
 from tsrl_cli.embedded.prepare import prepare_embedded
-from tsrl_cli.engines.base import TurnBatcher
+from tsrl_cli.engines.batching import TurnBatcher
 from tsrl_cli.engines.scripted import ScriptedEngine
 from tsrl_cli.envs.tasks import make_env
 from tsrl_cli.policy import build_tiny_model, load_policy, save_policy
@@ -81,6 +81,7 @@ def test_demos_are_real(demos):
     assert "sed -i '" in d["messages"][2]["content"]  # turn 2 is the fix
 
 
+@pytest.mark.slow
 def test_trajectory_is_what_the_agent_loop_records(suite, demos, tok):
     """Replaying a demo's assistant turns through run_agent in a fresh environment gives the same tokens."""
     renderer = ChatMLRenderer(tok)
