@@ -126,7 +126,8 @@ class RolloutConfig:
     # engine call, and the next call waits for it to end (TurnBatcher; engines without steps always)
     batching: Literal["continuous", "static"] = "continuous"
     max_batch: int = 16  # turns in the engine at once (continuous: running; static: per engine call)
-    batch_invariant: bool = False  # each request alone: bitwise reproducible in float32, slower
+    # each request (and each OPD teacher score) alone: bitwise reproducible in float32, slower
+    batch_invariant: bool = False
     executor: Literal["local", "docker"] = "local"  # sandbox executor (docker: docker.* below)
     # who plays the turns: policy (the engine) | oracle (each task's reference solution, written as the
     # model's turn: every reward must be 1; a check of the environments and verifiers before a real run)

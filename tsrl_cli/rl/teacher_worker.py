@@ -298,7 +298,10 @@ class TeacherWorker:
         self.model, _ = load_policy(teacher_dir, dtype=cfg.model.dtype, device=self.device, tokenizer=False)
         # every open session's cache (teacher_cache_bytes), at least one full-length trajectory's: scoring one holds
         # that much anyway
-        self.scorer = TurnScorer(self.model, max_bytes=0, max_tokens=cfg.rollout.max_trajectory_tokens)
+        # rollout.batch_invariant: each turn scored alone, so a score does not depend on which turns were queued
+        # beside it (a padded forward's float rounding does); a resumed round then ends bit for bit
+        self.scorer = TurnScorer(self.model, max_bytes=0, max_tokens=cfg.rollout.max_trajectory_tokens,
+                                 max_rows=1 if cfg.rollout.batch_invariant else SCORE_BATCH_ROWS)
         self.scorer.max_bytes = max(self.scorer.max_bytes, teacher_cache_bytes(cfg, self.scorer.bytes_per_token))
         self.in_q, self.out_q, self.report_q = in_q, out_q, report_q
 
