@@ -109,6 +109,20 @@ def test_a_literal_field_refuses_a_name_outside_it_with_its_choices():
         load_config(sets=["loss.loss_agg=mean"])  # a LossConfig choice (Annotated[str, Literal]) too
 
 
+def test_on_and_off_reach_their_choices_however_yaml_reads_them(tmp_path):
+    """YAML 1.1 (PyYAML) reads an unquoted on / off as true / false: a key whose choices are on and off takes
+    them either way, from --set and from a file; a bool where on / off are no choices is still refused."""
+    cfg = load_config(sets=["learner.packing=on", "learner.microbatch=off"])
+    assert (cfg.learner.packing, cfg.learner.microbatch) == ("on", "off")
+    f = tmp_path / "exp.yaml"
+    f.write_text("learner:\n  packing: off\n  microbatch: on\n")
+    cfg = load_config(f)
+    assert (cfg.learner.packing, cfg.learner.microbatch) == ("off", "on")
+    assert load_config(sets=["learner.packing='on'"]).learner.packing == "on"  # quoted: a string already
+    with pytest.raises(ConfigError, match=r"^config key learner.granularity: True is not one of trajectory, group$"):
+        load_config(sets=["learner.granularity=true"])
+
+
 def test_validate_config_checks_a_config_made_in_code():
     """dataclasses.replace skips the loader: validate_config checks the leaves and the loss section itself."""
     from dataclasses import replace

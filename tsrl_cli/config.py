@@ -401,7 +401,7 @@ class LearnerConfig:
     granularity: Granularity = "trajectory"
     # a micro-batch's rows end to end in one sequence whose position ids restart per row (no padding; transformers
     # attends within each row) | padded to the widest row. auto: packed where the attention runs packed rows
-    # without a dense mask (flash_attention_2, flex_attention) and on a CPU learner (docs/streaming.md,
+    # without a dense mask (flash_attention_2, flex_attention on a GPU), padded elsewhere (docs/streaming.md,
     # "Micro-batching")
     packing: Literal["auto", "on", "off"] = "auto"
     # seconds a compute collective of a learner group (FSDP's all-gathers, the folding all-to-all, the gathers of

@@ -46,6 +46,8 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         value = coerce(value, tp.__origin__, key)
         return next((coerce(value, m, key) for m in tp.__metadata__ if typing.get_origin(m) is Literal), value)
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(get_args(tp)):
+            value = "on" if value else "off"  # YAML 1.1 (PyYAML) reads an unquoted on / off as true / false
         if isinstance(value, str) and value in get_args(tp):
             return value
         raise ConfigError(f"config key {key}: {value!r} is not one of {', '.join(get_args(tp))}")

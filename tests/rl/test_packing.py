@@ -91,3 +91,20 @@ def test_packed_rows_attend_within_themselves(tiny64):
     assert (lp[0, 6:] - alone_b[0, 1:]).abs().max() <= 1e-12
     joined, _ = forward_logprobs(tiny64, packed)  # the control: one sequence, b attends to a
     assert (joined[0, 6:] - alone_b[0, 1:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("packing,device,attn,packed", [
+    ("auto", "cpu", "sdpa", False),  # a dense mask over the packed length: slower than padding on the CPU
+    ("auto", "cuda:0", "sdpa", False),
+    ("auto", "cuda:0", "flash_attention_2", True),  # varlen attention: packed rows cost their own lengths
+    ("auto", "cuda:0", "flex_attention", True),
+    ("on", "cpu", "sdpa", True),
+    ("off", "cuda:0", "flash_attention_2", False),
+])
+def test_auto_packs_where_the_attention_runs_packed_rows_natively(packing, device, attn, packed):
+    from types import SimpleNamespace
+
+    from tsrl_cli.rl.learner import packs
+
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))
+    assert packs(packing, device, model) is packed

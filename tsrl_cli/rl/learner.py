@@ -49,11 +49,12 @@ PACKED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention") 
 
 
 def packs(packing: str, device: str, model) -> bool:
-    """learner.packing: on | off, or auto: packed on a CPU learner, and on a GPU where the attention runs packed rows
-    natively (sdpa and eager there would build a dense mask over the packed length: quadratic memory)."""
+    """learner.packing: on | off, or auto: packed on a GPU where the attention runs packed rows natively. sdpa and
+    eager build a dense mask over the packed length, quadratic in it: on the CPU a packed micro-batch of 8 rows
+    took 1.2-2.2x the padded one's time (results/LOG.md), so auto pads there."""
     if packing != "auto":
         return packing == "on"
-    return not device.startswith("cuda") or getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
+    return device.startswith("cuda") and getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
 
 
 class LocalGrads:
