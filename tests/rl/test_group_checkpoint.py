@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import traceback
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from worker_procs import run_ranks
 
 WORLD = 2
 
@@ -125,23 +125,8 @@ def _rank(rank: int, store: str, path: str, q) -> None:
 
 @pytest.mark.slow  # two spawned ranks import torch and tsrl: 40 s on a loaded 2-core machine
 def test_only_rank_0_holds_the_full_state_when_saving_and_each_rank_reads_its_rows_when_loading(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     store, path = str(tmp_path / "store"), str(tmp_path / "optimizer.pt")
-    procs = [ctx.Process(target=_rank, args=(r, store, path, q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            status, rank, payload = q.get(timeout=180)
-            assert status == "ok", payload
-            got[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    got = run_ranks(_rank, lambda r: (r, store, path), WORLD, timeout_s=180)
     one = got[1]
     assert one["shard"] < one["full"]  # the sizes tell a shard from a full tensor
     assert one["control"] >= one["full"]  # the probe sees a full copy where one is made

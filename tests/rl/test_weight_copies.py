@@ -18,7 +18,6 @@ The engine ends with the learner's weights bit for bit in every case.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import queue
 import threading
@@ -30,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from worker_procs import run_ranks
 
 from tsrl_cli.engines.hf import HFEngine
 from tsrl_cli.engines.weight_sync import apply_sync
@@ -298,22 +298,7 @@ def _group_rank(rank: int, store_path: str, q) -> None:
 
 @pytest.mark.slow  # two spawned ranks import torch and tsrl
 def test_a_group_gathers_the_engine_dtype_and_copies_each_tensor_once(tmp_path):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_group_rank, args=(r, str(tmp_path / "store"), q)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            status, rank, payload = q.get(timeout=300)
-            assert status == "ok", payload
-            got[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    got = run_ranks(_group_rank, lambda r: (r, str(tmp_path / "store")), WORLD, timeout_s=300)
     now, before = got[0]["live_state"], got[0]["before"]
     bf16_bytes = LAYERS * TENSOR_BYTES // 2
     assert now["exact"] and before["exact"]  # the same bf16 weights either way

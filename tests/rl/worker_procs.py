@@ -42,3 +42,27 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def run_ranks(target, args_of, world: int, timeout_s: float) -> dict[int, object]:
+    """Spawn `world` processes target(*args_of(rank), q), each putting ("ok" | "error", rank, payload) on q; their
+    payloads by rank once every rank has reported (an error's payload is its traceback), the processes joined."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_of(r), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        for _ in procs:
+            status, rank, payload = q.get(timeout=timeout_s)
+            assert status == "ok", payload
+            got[rank] = payload
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
