@@ -409,6 +409,13 @@ class LearnerConfig:
     # then ends the process). Waits for rank 0 (the round's first arrival, a checkpoint write) are control
     # messages on a gloo group of their own with no practical limit, so this bounds lockstep work only
     collective_timeout_s: float = 600.0
+    # GRPO: a group's shared prompt forwarded and backpropagated once per group (rl/prefix.py; exact): each member's
+    # row starts at the prompt's end and attends to its keys and values, whose adjoints are summed and backpropagated
+    # through the prompt once the group closes. Runs on one learner process for rows no reference model or TIS
+    # weights read (a KL term with a reference model, offpolicy.tis_cap: every row whole); elsewhere rows are whole
+    prefix_cut: bool = True
+    # the longest shared prompt expected (tokens): what tsrl plan prices for the cut's kept prompt parts
+    prompt_tokens: int = 2048
 
     def check(self) -> None:
         if not 0 < self.collective_timeout_s <= 7 * 24 * 3600:  # a finite timedelta the backends accept
@@ -417,6 +424,8 @@ class LearnerConfig:
         if self.logits_chunk_tokens is not None and self.logits_chunk_tokens < 1:
             raise ConfigError(f"config key learner.logits_chunk_tokens: must be >= 1 positions (or null: all at "
                               f"once), got {self.logits_chunk_tokens}")
+        if self.prompt_tokens < 1:
+            raise ConfigError(f"config key learner.prompt_tokens: must be >= 1 tokens, got {self.prompt_tokens}")
         for k in ("max_microbatch_tokens", "max_microbatch_items"):
             v = getattr(self, k)
             if v is not None and v < 1:

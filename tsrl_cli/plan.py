@@ -126,6 +126,32 @@ def buffer_sets(cfg: TrainConfig) -> int:
     return 1
 
 
+def prefix_cut_states(cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(prompt parts held at once, keys-and-values sets each) of the shared-prompt cut (rl/prefix.py), (0, 0) where it
+    does not run. sync backwards one complete group at a time: one part with R's adjoint. stream and async: up to
+    every group of the round, each with R's adjoint and the open group's two sums (affine) or one per reward value."""
+    lc = cfg.learner
+    if not (lc.prefix_cut and cfg.objective == "grpo" and world == 1 and not cfg.loss.kl_coef
+            and cfg.offpolicy.tis_cap is None):
+        return 0, 0
+    if cfg.schedule == "sync":
+        return 1, 1
+    buckets = cfg.loss.group_buffers == "buckets"
+    return cfg.rollout.prompts_per_round, 1 + (cfg.rollout.group_size if buckets else 2)
+
+
+def prefix_cut_bytes(cfg: TrainConfig, config, world: int, tr, positions: int) -> int:
+    """The cut's kept prompt parts: each a learner.prompt_tokens forward's activations (the traced pass's per
+    position, its graph kept until the group closes), its keys and values and their adjoint sets."""
+    parts, sets = prefix_cut_states(cfg, world)
+    if not parts:
+        return 0
+    p = cfg.learner.prompt_tokens
+    act = tr.parts.get("Activation", 0) * p // max(positions, 1)
+    kv = kv_bytes_per_token(config, TORCH_DTYPES[cfg.model.dtype]) * p
+    return parts * (act + (1 + sets) * kv)
+
+
 _TRACES: dict = {}
 
 
@@ -188,6 +214,7 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
         # host buffers: the fold queue keeps up to loss.host_fold_pending passes' gradients on the device, each
         # what one pass hands the fold thread (a group rank: every unit's all-to-all output, N x its shard)
         "fold_backlog": cfg.loss.host_fold_pending * world * tr.buffer_numel * _size(dtype) if host_buffers else 0,
+        "prefix_cut": prefix_cut_bytes(cfg, config, world, tr, rows * width),
     }
     pass_bytes = sum(parts.values())
     step = _traced(optimizer_step, tr.opt_shapes, tr.opt_dtype, foreach=on_cuda) if adam else 2 * opt_numel * b_opt
@@ -198,7 +225,8 @@ def learner_processes(cfg: TrainConfig, config) -> tuple[list[Process], dict]:
     step_bytes = step + resident + r_extra
     peak = max(pass_bytes, step_bytes)
     parts |= {"pass": pass_bytes, "traced_optimizer_step": step, "step": step_bytes, "buffer_set": set_bytes}
-    counts = {"microbatch_rows": rows, "microbatch_width": width, "buffer_sets": sets, "passes": shape.passes}
+    counts = {"microbatch_rows": rows, "microbatch_width": width, "buffer_sets": sets, "passes": shape.passes,
+              "prefix_cut_parts": prefix_cut_states(cfg, world)[0]}
     how = ("measured on fake CPU tensors: "
            f"{'rank 0 of an FSDP2 group of ' + str(world) if world > 1 else 'one process'}, "
            f"a {rows} x {width} micro-batch, then {'the moments, ' if adam else ''}buffers by arithmetic")

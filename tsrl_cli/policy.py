@@ -369,7 +369,8 @@ def weights_sha256(model_dir: str | Path) -> str:
 
 def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Tensor | None = None, *,
                      entropy: bool = False, chunk_tokens: int | None = None, scored_B_T: torch.Tensor | None = None,
-                     position_ids_B_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     position_ids_B_T: torch.Tensor | None = None,
+                     past_key_values=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) log-probs of the given tokens (with grad), and (B, T) entropies when asked.
 
     Computed from raw logits (core.losses.token_logprobs), never through transformers' `labels=`
@@ -381,13 +382,15 @@ def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Ten
     head runs over those alone (core.losses.selected_token_logprobs; the rest are 0), else over every position.
     position_ids_B_T: positions restarting at 0 inside a row mark packed sequences (transformers attends within
     each only); with them the attention mask is None.
+    past_key_values: a transformers Cache the rows attend to before their own positions (rl/prefix.py: a group's
+    prompt); the attention mask then covers the past's positions and the rows', and position_ids_B_T continue it.
     """
     plain_head = type(model.get_output_embeddings()) is torch.nn.Linear
     if chunk_tokens is None and (scored_B_T is None or not plain_head):
         logits = model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, position_ids=position_ids_B_T,
-                       use_cache=False).logits
+                       past_key_values=past_key_values, use_cache=False).logits
         return token_logprobs(logits, ids_B_T), (token_entropy(logits) if entropy else None)
-    hidden, head = _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T)
+    hidden, head = _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T, past_key_values)
     # a learner group: FSDP2 reshards the root unit (the head) after each backward, and a second backward of
     # the same forward (the learner's regularizer pass) reaches the head before any FSDP hook gathers it again
     regather = model.unshard if isinstance(model, FSDPModule) else None
@@ -397,7 +400,7 @@ def forward_logprobs(model, ids_B_T: torch.Tensor, attention_mask_B_T: torch.Ten
     return chunked_token_logprobs(hidden, head.weight, head.bias, ids_B_T, chunk_tokens, entropy, regather)
 
 
-def _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T=None):
+def _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T=None, past_key_values=None):
     """((B, T, H) hidden states the LM head reads, the head): the model's own forward, asked for no logits.
 
     The forward runs through the model's __call__ (on a learner group, FSDP's root hooks gather the head
@@ -411,7 +414,8 @@ def _last_hidden(model, ids_B_T, attention_mask_B_T, position_ids_B_T=None):
     box = []
     hook = model.get_decoder().register_forward_hook(lambda mod, args, out: box.append(out[0]))
     try:
-        model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, position_ids=position_ids_B_T, use_cache=False,
+        model(input_ids=ids_B_T, attention_mask=attention_mask_B_T, position_ids=position_ids_B_T,
+              past_key_values=past_key_values, use_cache=False,
               logits_to_keep=torch.zeros(0, dtype=torch.long, device=ids_B_T.device))
     finally:
         hook.remove()

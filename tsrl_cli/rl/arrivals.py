@@ -40,6 +40,7 @@ class Arrival:
     turn: int | None
     seq: int = 0  # arrival number: batches are formed in arrival order
     row: Hashable = field(default=None)  # arrivals with the same row share one row of a micro-batch
+    start: int = 0  # where its row starts: 0, or its group's prompt cut (rl/prefix.py: positions before it are past)
     # positions [0, end) its row covers: a turn's end, or a whole trajectory's up to its last scored token (what
     # follows it, a last tool output, changes no log-prob before it: causal attention)
     end: int = field(init=False)

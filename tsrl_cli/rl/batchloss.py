@@ -11,6 +11,8 @@ at their close, never here. The LM head runs over the scored positions only.
 Layout: `padded` rows of the widest row's length (B, T), or `packed`: the rows end to end in one
 sequence (1, sum T_i) whose position ids restart at 0 per row, so each row attends within itself
 (transformers reads packed sequences from the position ids) and no position is padding.
+With the shared-prompt cut (rl/prefix.py) a batch's rows are one group's members over [c, end), padded, attending
+to the group's prompt part as past keys and values; their per-token fields are the same slice.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ TokenWeights = Callable[[list[Rollout], torch.Tensor], torch.Tensor]  # (rollout
 class Layout:
     """One micro-batch's rows as model inputs: padded (B, T) or packed (1, sum T_i)."""
 
-    def __init__(self, heads: list[Arrival], masks: list[list[int]], packed: bool, device):
-        self.heads, self.packed, self.device = heads, packed, device
-        self.lengths = [h.end for h in heads]
+    def __init__(self, heads: list[Arrival], masks: list[list[int]], packed: bool, device, prompt=None):
+        self.heads, self.device = heads, device
+        self.prompt = prompt  # rl/prefix.py PromptState: rows start at its cut and attend to it
+        self.start = 0 if prompt is None else prompt.cut
+        self.packed = packed and prompt is None
+        self.lengths = [h.end - self.start for h in heads]
         self.width = max(self.lengths)
-        if packed:
+        if self.start:
+            c = self.start
+            self.ids = pad_rows([h.rollout.input_ids[c: h.end] for h in heads], self.width, torch.long, device)
+            self.attn = pad_rows([[1] * (c + n) for n in self.lengths], c + self.width, torch.long, device)
+            self.positions = (torch.arange(self.width, device=device) + c)[None, :].expand(len(heads), -1)
+        elif self.packed:
             self.ids = torch.tensor([[t for h in heads for t in h.rollout.input_ids[: h.end]]], device=device)
             self.positions = torch.tensor([[j for n in self.lengths for j in range(n)]], device=device)
             self.attn = None
@@ -52,11 +62,13 @@ class Layout:
         return sum(self.lengths) if self.packed else len(self.lengths) * self.width
 
     def per_token(self, rows: list[list[float]], dtype) -> torch.Tensor:
-        """A per-token field of each row (its first end positions), in the layout."""
+        """A per-token field of each row (its positions [start, end)), in the layout."""
+        c = self.start
         if self.packed:
             flat = [v for row, n in zip(rows, self.lengths, strict=True) for v in row[:n]]
             return torch.tensor([flat], dtype=dtype, device=self.device)
-        return pad_rows([row[:n] for row, n in zip(rows, self.lengths, strict=True)], self.width, dtype, self.device)
+        return pad_rows([row[c:c + n] for row, n in zip(rows, self.lengths, strict=True)], self.width, dtype,
+                        self.device)
 
     def per_row(self, values: list[float], dtype) -> torch.Tensor:
         """One value per row, broadcast over its tokens: (B, 1) padded, (1, sum T_i) packed."""
@@ -71,15 +83,17 @@ class Layout:
 
     def forward(self, model, *, entropy: bool, chunk_tokens: int | None, scored: torch.Tensor | None):
         return forward_logprobs(model, self.ids, self.attn, entropy=entropy, chunk_tokens=chunk_tokens,
-                                scored_B_T=scored, position_ids_B_T=self.positions)
+                                scored_B_T=scored, position_ids_B_T=self.positions,
+                                past_key_values=None if self.prompt is None else self.prompt.past())
 
 
 def microbatch_losses(model, batch: MicroBatch, obj: Objective, rules, *, ref_model=None,
                       token_weights: TokenWeights | None = None, chunk_tokens: int | None = None,
-                      packed: bool = False) -> tuple[list[torch.Tensor], int]:
+                      packed: bool = False, prompt=None) -> tuple[list[torch.Tensor], int]:
     """(this batch's losses, one per backward pass, and the token positions its forward covered). Two passes for a
     GRPO open group's members with a KL or entropy term: the term carries no advantage and goes to R apart.
-    token_weights (TIS) read padded rows: a batch with them is never packed."""
+    token_weights (TIS) read padded rows: a batch with them is never packed. prompt: the group's PromptState when
+    the batch's rows start at its cut (rl/prefix.py; never with token_weights or a reference model)."""
     device = next(model.parameters()).device
     rows = rows_of(batch.items)
     heads: list[Arrival] = [max(row, key=lambda a: a.end) for row in rows]  # each row's longest prefix
@@ -92,7 +106,7 @@ def microbatch_losses(model, batch: MicroBatch, obj: Objective, rules, *, ref_mo
             s, e = a.span
             m[s:e] = h.rollout.loss_mask[s:e]
         mask_rows.append(m)
-    lay = Layout(heads, mask_rows, packed and token_weights is None, device)
+    lay = Layout(heads, mask_rows, packed and token_weights is None, device, prompt)
     scored = lay.per_token(mask_rows, torch.bool)
     logp, ent = lay.forward(model, entropy=obj.loss.entropy_coef != 0, chunk_tokens=chunk_tokens, scored=scored)
     mask = scored.to(logp.dtype)

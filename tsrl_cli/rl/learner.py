@@ -40,6 +40,7 @@ from tsrl_cli.rl.batchloss import TokenWeights, idle_losses, microbatch_losses, 
 from tsrl_cli.rl.hostfold import HostFold, auto_threads
 from tsrl_cli.rl.microbatch import MicroBatch
 from tsrl_cli.rl.objective import Objective, check_inputs, lazy_loss, pad_rows
+from tsrl_cli.rl.prefix import PrefixCut, supports_cut
 from tsrl_cli.rollouts import Rollout
 
 __all__ = ["LocalGrads", "MicroBatch", "Objective", "StreamLearner", "lazy_loss", "packs", "pad_rows"]
@@ -57,6 +58,13 @@ def packs(packing: str, device: str, model) -> bool:
     return device.startswith("cuda") and getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
 
 
+def cut_applies(model, obj: Objective, world: int, ref_model, token_weights) -> bool:
+    """Where the shared-prompt cut runs (learner.prefix_cut): GRPO groups on one process, a transformers decoder
+    with a Cache, rows that no reference model (KL) or TIS weights read over their whole length."""
+    return (obj.kind == "grpo" and world == 1 and token_weights is None
+            and (ref_model is None or not obj.loss.kl_coef) and supports_cut(model))
+
+
 class LocalGrads:
     """The single-process backend: autograd.grad per pass, one tensor per trainable parameter."""
 
@@ -65,12 +73,23 @@ class LocalGrads:
         self.templates = self.params
         self.passes = 0
 
-    def backward(self, losses, folds_by_rank, fold) -> None:
+    def backward(self, losses, folds_by_rank, fold, extra: Sequence[torch.Tensor] = ()) -> list[list]:
+        """Each loss's gradient folded into its target; returns each pass's gradients of `extra` (leaf tensors the
+        losses read beside the parameters: a group's prompt keys and values, rl/prefix.py)."""
+        out, n = [], len(self.params)
         for k, loss in enumerate(losses):
-            grads = torch.autograd.grad(loss, self.params, retain_graph=k < len(losses) - 1, allow_unused=True)
+            grads = torch.autograd.grad(loss, self.params + list(extra), retain_graph=k < len(losses) - 1,
+                                        allow_unused=True)
             self.passes += 1
             if folds_by_rank[k][0] is not None:
-                fold(folds_by_rank[k][0], list(grads))
+                fold(folds_by_rank[k][0], list(grads[:n]))
+            out.append(list(grads[n:]))
+        return out
+
+    def backward_outputs(self, outputs: Sequence[torch.Tensor], adjoints: Sequence[torch.Tensor]) -> list:
+        """J^T adjoints: the parameters' gradient of kept outputs (a group's prompt keys and values)."""
+        self.passes += 1
+        return list(torch.autograd.grad(outputs, self.params, grad_outputs=adjoints, allow_unused=True))
 
 
 class StreamLearner:
@@ -94,7 +113,8 @@ class StreamLearner:
                  grads=None, rank: int = 0, world: int = 1, max_tokens: int | None = None,
                  max_items: int | None = None, ref_model=None, token_weights: TokenWeights | None = None,
                  threaded_host_fold: bool | None = None, chunk_tokens: int | None = None,
-                 opd_unit: str = "turn", granularity: str = "trajectory", packed: bool = False, fold_fault=None):
+                 opd_unit: str = "turn", granularity: str = "trajectory", packed: bool = False,
+                 prefix_cut: bool = False, fold_fault=None):
         if opd_unit not in OPD_UNITS:
             raise UsageError(f"OPD unit {opd_unit!r} is unknown; use one of {', '.join(OPD_UNITS)}")
         if granularity not in GRANULARITIES:
@@ -136,6 +156,10 @@ class StreamLearner:
         self._loss_sum = 0.0  # this rank's round-target losses before Z (the lazy loss, once Z is known)
         self.loss: float | None = None
         self.batches: list[MicroBatch] = []  # every micro-batch of the round, in order (all ranks')
+        # the shared-prompt cut (rl/prefix.py): GRPO on one process, rows read by no reference model or TIS weights
+        self.cut = None
+        if prefix_cut and cut_applies(model, obj, world, ref_model, token_weights):
+            self.cut = PrefixCut(model, affine=self.round.form == "affine")
 
     # ---- arrivals ------------------------------------------------------------------------------
     def _tally(self, r: Rollout, n: int) -> None:
@@ -145,7 +169,8 @@ class StreamLearner:
 
     def _queue(self, r: Rollout, turn: int | None, row) -> None:
         self._seq += 1
-        self.queue.append(Arrival(r, turn, self._seq, row if row is not None else (r.key, self._seq)))
+        start = self.cut.start_of(r) if self.cut is not None and turn is None else 0
+        self.queue.append(Arrival(r, turn, self._seq, row if row is not None else (r.key, self._seq), start))
 
     def _rule(self, name: str, r: Rollout):
         check_inputs([r], self.obj, self.ref_model is not None)
@@ -157,6 +182,7 @@ class StreamLearner:
     def on_trajectory(self, r: Rollout) -> None:
         """GRPO: a trajectory and its reward arrived (queued; backwarded by step/drain)."""
         self._rule("on_trajectory", r)(r)
+        self._close_prompts()  # its group may have closed with every member already backwarded
 
     def on_turn(self, r: Rollout, k: int) -> None:
         """OPD: model turn k of trajectory r was scored by the teacher (queued)."""
@@ -183,9 +209,12 @@ class StreamLearner:
         opening: set = set()
         for a in self.queue:
             t = self.rules.target(a, opening)
-            if t is not None:
-                classes.setdefault(t, []).append(a)
-        return microbatch.plan(classes, self.world, self.max_items, self.max_tokens, self.packed)
+            if t is not None:  # cut rows batch with their own group's only: one prompt part per batch
+                classes.setdefault((t, a.rollout.group_id if a.start else None), []).append(a)
+        batches = microbatch.plan(classes, self.world, self.max_items, self.max_tokens, self.packed)
+        for b in batches:
+            b.target, b.prefix = b.target
+        return batches
 
     def has_work(self) -> bool:
         """Arrivals queued that can be backwarded now (deferred ones wait for their group or trajectory)."""
@@ -202,18 +231,27 @@ class StreamLearner:
         if not batches:
             return []
         mine = batches[self.rank] if self.rank < len(batches) else None
+        prompt = None
+        if mine is not None and mine.prefix is not None:
+            prompt, forwarded = self.cut.state(mine.prefix)
+            mine.prompt = prompt.cut if forwarded else 0
         if mine is None:
             losses = idle_losses(self.model, self.obj, self.ref_model)
         else:
             losses, _ = microbatch_losses(self.model, mine, self.obj, self.rules, ref_model=self.ref_model,
                                           token_weights=self.token_weights, chunk_tokens=self.chunk_tokens,
-                                          packed=self.packed)
+                                          packed=self.packed, prompt=prompt)
         n_pass = max(self._passes(b) for b in batches)
         losses += [losses[0] * 0.0] * (n_pass - len(losses))  # lockstep: every rank runs as many passes
         folds = [[self._fold_of(b, k) for b in batches] + [None] * (self.world - len(batches)) for k in range(n_pass)]
         self._loss_sum += sum(float(loss.detach()) for loss, f in zip(losses, folds, strict=False)
                               if f[self.rank] is not None and f[self.rank][0] == "round")
-        self.grads.backward(losses, folds, self._apply)
+        if prompt is None:
+            self.grads.backward(losses, folds, self._apply)
+        else:  # the boundary adjoints follow their pass's fold target
+            for k, adj in enumerate(self.grads.backward(losses, folds, self._apply, extra=prompt.leaves)):
+                if folds[k][self.rank] is not None:
+                    prompt.add(folds[k][self.rank], adj)
         self.backwards += n_pass
         done = {id(a) for b in batches for a in b.items}
         self.queue = [a for a in self.queue if id(a) not in done]
@@ -221,7 +259,17 @@ class StreamLearner:
         for b in batches:  # the groups and units these batches opened now hold buffers
             if b.target[0] != "round":
                 self.buffers.open.add(b.target[1])
+        self._close_prompts()
         return batches
+
+    def _close_prompts(self) -> None:
+        """Backpropagate each prompt part whose group closed and has nothing queued: J^T (its total adjoint) into R."""
+        if self.cut is None:
+            return
+        for st in self.cut.ready(self.round.stats, {a.rollout.group_id for a in self.queue}):
+            adj = st.adjoint(lambda r, gid=st.group_id: self.round.advantage(gid, r))
+            self._apply(("round", 1.0), self.grads.backward_outputs(st.outputs, adj))
+            self.backwards += 1
 
     def drain(self) -> None:
         while self.has_work():
@@ -250,8 +298,10 @@ class StreamLearner:
     # ---- round close ---------------------------------------------------------------------------
     def close_round(self) -> list[torch.Tensor]:
         """Apply the round scalar (1/N, 1/B or 1/C) once; the gradient per template (parameter or shard)."""
-        if self.queue:
-            raise RuntimeError(f"round closed with {len(self.queue)} item(s) not backwarded (a group or trajectory "
+        self._close_prompts()
+        if self.queue or (self.cut is not None and self.cut.states):
+            raise RuntimeError(f"round closed with {len(self.queue)} item(s) not backwarded and "
+                               f"{len(self.cut.states) if self.cut else 0} prompt part(s) open (a group or trajectory "
                                "never completed)")
         z = round_scale(self.obj.loss.loss_agg, self.num_tokens, len(self._nonempty), self.obj.loss.global_batch_size,
                         self.obj.loss.norm_constant)

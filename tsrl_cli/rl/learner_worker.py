@@ -112,7 +112,7 @@ class Learner:
         lc = self.cfg.learner
         opts = {"max_tokens": lc.max_microbatch_tokens, "max_items": lc.max_microbatch_items if self.microbatch else 1,
                 "ref_model": self.ref, "chunk_tokens": lc.logits_chunk_tokens, "opd_unit": lc.opd_unit,
-                "granularity": lc.granularity, "packed": self.packed}
+                "granularity": lc.granularity, "packed": self.packed, "prefix_cut": lc.prefix_cut}
         opts.update(self.ranks.engine_options(), grads=self.policy.grads, **kw)
         return StreamLearner(self.model, self.obj, plan.group_sizes(), **opts,
                              fold_fault=None if recompute else fold_fault(plan.round))

@@ -30,7 +30,7 @@ class Planned(Protocol):
     def row(self) -> Hashable: ...  # items with the same row share one row of a micro-batch
 
     @property
-    def end(self) -> int: ...  # positions [0, end) its row covers
+    def end(self) -> int: ...  # positions [start, end) its row covers (start: 0 unless the item has one)
 
 
 @dataclass
@@ -43,11 +43,23 @@ class MicroBatch:
     width: int = 0  # positions of the widest row: every row is padded to it
     real: int = 0  # the rows' own positions (sum of their lengths)
     packed: bool = False  # rows end to end: no padding
+    prefix: Hashable = None  # the group whose prompt part the rows attend to (rl/prefix.py), or None
+    prompt: int = 0  # prompt positions this batch forwarded for its group (its first cut batch), backpropagated later
 
     @property
     def tokens(self) -> int:
         """Token positions one forward and backward of this batch computes, padding included."""
-        return self.real if self.packed else self.rows * self.width
+        return (self.real if self.packed else self.rows * self.width) + self.prompt
+
+    @property
+    def real_tokens(self) -> int:
+        """The positions of real tokens it computes: the rows' own and its prompt part's."""
+        return self.real + self.prompt
+
+
+def length(it: Planned) -> int:
+    """The positions an item's row covers: [start, end)."""
+    return it.end - getattr(it, "start", 0)
 
 
 def rows_of(items: Sequence[Planned]) -> list[list[Planned]]:
@@ -60,8 +72,8 @@ def rows_of(items: Sequence[Planned]) -> list[list[Planned]]:
 
 def batch_of(items: Sequence[Planned], target: tuple, packed: bool = False) -> MicroBatch:
     rows = rows_of(items)
-    return MicroBatch(list(items), target, len(rows), max(it.end for it in items),
-                      sum(max(it.end for it in row) for row in rows), packed)
+    return MicroBatch(list(items), target, len(rows), max(length(it) for it in items),
+                      sum(max(length(it) for it in row) for row in rows), packed)
 
 
 def chunks(items: Sequence[Planned], max_items: int | None, max_tokens: int | None,
@@ -71,7 +83,7 @@ def chunks(items: Sequence[Planned], max_items: int | None, max_tokens: int | No
     cur: list[list[Planned]] = []
     width = total = 0
     for row in rows_of(items):
-        w = max(it.end for it in row)
+        w = max(length(it) for it in row)
         cost = total + w if packed else (len(cur) + 1) * max(width, w)
         if cur and ((max_items is not None and len(cur) + 1 > max_items)
                     or (max_tokens is not None and cost > max_tokens)):

@@ -128,7 +128,7 @@ class RoundWork:
         self.busy_cpu_s += cpu_s
         self.microbatches += len(batches)
         self.positions += sum(b.tokens for b in batches)
-        self.real_positions += sum(b.real for b in batches)
+        self.real_positions += sum(b.real_tokens for b in batches)
         for b in batches:
             total = sum(it.rollout.turn_tokens(it.turn) if it.turn is not None else it.rollout.num_loss_tokens
                         for it in b.items) or 1
@@ -242,7 +242,7 @@ def _after_last_arrival(learner: ScheduleHost, plan: RoundPlan, work: RoundWork,
     work.batched(t0, t1, padded=not per_item, cpu_s=time.process_time() - c0)
     work.microbatches = len(sl.batches)
     work.positions = sum(b.tokens for b in sl.batches)
-    work.real_positions = sum(b.real for b in sl.batches)
+    work.real_positions = sum(b.real_tokens for b in sl.batches)
     work.loss = sl.loss
     work.step_start = t1
     work.accumulator_peak_bytes = sl.acc.peak_open_bytes + sl.acc.param_bytes
