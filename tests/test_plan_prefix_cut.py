@@ -44,7 +44,17 @@ def test_each_kept_prompt_part_is_priced(experiment):
     assert buckets - a["parts"]["prefix_cut"] == 3 * (4 - 2) * kv * 100  # one set per reward value: 4, not 2
 
 
-@pytest.mark.parametrize("sets", [["learner.prefix_cut=false"], ["loss.kl_coef=0.1"], ["objective=opd"]])
+def test_opd_parts_hold_r_and_the_running_trajectories(experiment):
+    exp, config = experiment
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+    a = learner(exp, "objective=opd", "learner.prompt_tokens=100")
+    b = learner(exp, "objective=opd", "learner.prompt_tokens=100", "loss.loss_agg=seq-mean-token-mean",
+                "learner.opd_unit=turn")
+    assert a["counts"]["prefix_cut_parts"] == 3
+    assert b["parts"]["prefix_cut"] - a["parts"]["prefix_cut"] == 3 * 4 * kv * 100  # a unit sum per trajectory
+
+
+@pytest.mark.parametrize("sets", [["learner.prefix_cut=false"], ["loss.kl_coef=0.1"], ["offpolicy.tis_cap=2.0"]])
 def test_nothing_where_the_cut_does_not_run(experiment, sets):
     p = learner(experiment[0], *sets)
     assert p["parts"]["prefix_cut"] == 0 and p["counts"]["prefix_cut_parts"] == 0

@@ -409,10 +409,10 @@ class LearnerConfig:
     # then ends the process). Waits for rank 0 (the round's first arrival, a checkpoint write) are control
     # messages on a gloo group of their own with no practical limit, so this bounds lockstep work only
     collective_timeout_s: float = 600.0
-    # GRPO: a group's shared prompt forwarded and backpropagated once per group (rl/prefix.py; exact): each member's
-    # row starts at the prompt's end and attends to its keys and values, whose adjoints are summed and backpropagated
-    # through the prompt once the group closes. Runs on one learner process for rows no reference model or TIS
-    # weights read (a KL term with a reference model, offpolicy.tis_cap: every row whole); elsewhere rows are whole
+    # a group's shared prompt (GRPO, OPD) forwarded and backpropagated once per group (rl/prefix.py; exact): each
+    # member's row starts at the prompt's end and attends to its keys and values, whose adjoints are summed and
+    # backpropagated through the prompt once the group closes. Runs on one learner process for rows no reference
+    # model or TIS weights read (a KL term with a reference model, offpolicy.tis_cap); elsewhere rows are whole
     prefix_cut: bool = True
     # the longest shared prompt expected (tokens): what tsrl plan prices for the cut's kept prompt parts
     prompt_tokens: int = 2048

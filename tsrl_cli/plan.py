@@ -129,13 +129,16 @@ def buffer_sets(cfg: TrainConfig) -> int:
 def prefix_cut_states(cfg: TrainConfig, world: int) -> tuple[int, int]:
     """(prompt parts held at once, keys-and-values sets each) of the shared-prompt cut (rl/prefix.py), (0, 0) where it
     does not run. sync backwards one complete group at a time: one part with R's adjoint. stream and async: up to
-    every group of the round, each with R's adjoint and the open group's two sums (affine) or one per reward value."""
+    every group of the round, each with R's adjoint and the open group's two sums (affine) or one per reward value
+    (GRPO), or one per running trajectory's unit buffer (OPD, seq-mean-token-mean with learner.opd_unit turn)."""
     lc = cfg.learner
-    if not (lc.prefix_cut and cfg.objective == "grpo" and world == 1 and not cfg.loss.kl_coef
-            and cfg.offpolicy.tis_cap is None):
+    if not (lc.prefix_cut and world == 1 and not cfg.loss.kl_coef and cfg.offpolicy.tis_cap is None):
         return 0, 0
     if cfg.schedule == "sync":
         return 1, 1
+    if cfg.objective == "opd":
+        units = cfg.loss.loss_agg == "seq-mean-token-mean" and lc.opd_unit == "turn"
+        return cfg.rollout.prompts_per_round, 1 + (cfg.rollout.group_size if units else 0)
     buckets = cfg.loss.group_buffers == "buckets"
     return cfg.rollout.prompts_per_round, 1 + (cfg.rollout.group_size if buckets else 2)
 

@@ -102,7 +102,7 @@ def test_dropping_the_prompt_adjoint_is_caught(tiny64, monkeypatch):
     ro = shared_prompt_groups()
     obj = Objective("grpo", LossConfig())
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
-    monkeypatch.setattr(PromptState, "adjoint", lambda self, adv: [torch.zeros_like(t) for t in self.leaves])
+    monkeypatch.setattr(PromptState, "adjoint", lambda self, *_: [torch.zeros_like(t) for t in self.leaves])
     _, g = run(tiny64, ro, obj, order_seed=3)
     assert rel(g, ref) > 1e-3
 
@@ -113,7 +113,7 @@ def test_the_advantage_of_each_class_weights_its_adjoint(tiny64, monkeypatch):
     obj = Objective("grpo", LossConfig())
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
     real = PromptState.adjoint
-    monkeypatch.setattr(PromptState, "adjoint", lambda self, adv: real(self, lambda r: 1.0))
+    monkeypatch.setattr(PromptState, "adjoint", lambda self, adv, unit=None: real(self, lambda r: 1.0, unit))
     _, g = run(tiny64, ro, obj, order_seed=3, max_items=1)
     assert rel(g, ref) > 1e-3
 
@@ -160,7 +160,50 @@ def test_cut_stays_off_where_it_does_not_apply(tiny64, teacher64):
     ro = shared_prompt_groups()
     kl = Objective("grpo", LossConfig(kl_coef=0.1))
     assert StreamLearner(tiny64, kl, {}, prefix_cut=True, ref_model=teacher64).cut is None  # a reference model
-    assert StreamLearner(tiny64, Objective("opd", LossConfig()), {}, prefix_cut=True).cut is None
     assert StreamLearner(tiny64, kl, {}, prefix_cut=True).cut is not None
     sl, _ = run(tiny64, ro, Objective("grpo", LossConfig()), cut=False)
     assert sl.cut is None and all(b.prefix is None for b in sl.batches)
+
+
+@pytest.mark.parametrize("loss", [{}, {"loss_agg": "seq-mean-token-mean"}, {"kl_coef": 0.05}])
+@pytest.mark.parametrize("unit", ["turn", "trajectory", "sync"])
+def test_opd_cut_equals_the_lazy_batch(tiny64, teacher64, loss, unit):
+    """OPD: the samples of one prompt share its prompt part; turns arrive scored, trajectories interleaved."""
+    ro = shared_prompt_groups(ref=teacher64)
+    for r in ro:
+        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    obj = Objective("opd", LossConfig(**loss))
+    ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
+    sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=True,
+                       opd_unit="trajectory" if unit == "sync" else unit)
+    if unit == "sync":
+        for r in ro:
+            sl.on_opd_trajectory(r)
+    else:  # round-robin over trajectories, one scored turn at a time, a step after each
+        turns = [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]
+        for r, k in turns:
+            sl.on_turn(r, k)
+            sl.step()
+    sl.drain()
+    g = sl.close_round()
+    assert rel(g, ref) <= 1e-9
+    assert sum(b.prompt for b in sl.batches) == sum(12 + g - 1 for g in range(3))  # one prompt part per group
+    assert any(b.prefix is not None and b.target[0] == "unit" for b in sl.batches) == (
+        unit == "turn" and loss.get("loss_agg") == "seq-mean-token-mean")  # unit buffers carried adjoints
+
+
+def test_opd_unit_scale_weights_its_adjoint(tiny64, teacher64, monkeypatch):
+    """The control of the OPD case: a unit's prompt adjoint taken with scale 1 instead of 1/n_i is caught."""
+    ro = shared_prompt_groups()
+    for r in ro:
+        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    obj = Objective("opd", LossConfig(loss_agg="seq-mean-token-mean"))
+    ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
+    real = PromptState.adjoint
+    monkeypatch.setattr(PromptState, "adjoint", lambda self, adv, unit=None: real(self, adv, lambda key: 1.0))
+    sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=True, opd_unit="turn")
+    for r, k in [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]:
+        sl.on_turn(r, k)
+        sl.step()
+    sl.drain()
+    assert rel(sl.close_round(), ref) > 1e-3

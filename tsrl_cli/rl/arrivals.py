@@ -157,6 +157,13 @@ class GrpoRules:
     def fold(self, target: tuple, grads: list) -> None:
         self.rnd.add_members(target[1], target[2], grads)
 
+    def group_closed(self, gid: Hashable) -> bool:
+        """Its advantages are known (rl/prefix.py: its prompt's adjoint can be weighted)."""
+        return gid in self.rnd.stats
+
+    def unit_scale(self, key: Hashable) -> float:
+        raise ValueError(f"GRPO has no unit buffers (trajectory {key!r})")
+
 
 class OpdRules:
     """OPD: `on_turn(r, k)` per teacher-scored model turn, `end_trajectory(r)` when the trajectory ends;
@@ -177,6 +184,7 @@ class OpdRules:
         # granularity group: a group's turns wait until every trajectory of the group ended
         self.group_sizes = dict(group_sizes) if granularity == "group" else None
         self._group_ended: Counter = Counter()
+        self.sizes = dict(group_sizes)  # trajectories per group: when a group's shared prompt part closes
         self.per_traj_scale = obj.loss.loss_agg == "seq-mean-token-mean"  # 1/n_i waits for the trajectory's end
         self._arrived: Counter = Counter()
         self._ended: dict[tuple[str, int], float] = {}  # trajectories that ended: their w_i
@@ -234,6 +242,15 @@ class OpdRules:
 
     def fold(self, target: tuple, grads: list) -> None:
         self.rnd.append_turn(target[1], grads=grads)
+
+    def group_closed(self, gid: Hashable) -> bool:
+        """Every trajectory of the group ended (rl/prefix.py: its prompt part's adjoint is complete once nothing of it
+        is queued); a group of unknown size waits for the round's close."""
+        return gid in self.sizes and self._group_ended[gid] >= self.sizes[gid]
+
+    def unit_scale(self, key: Hashable) -> float:
+        """The scale its unit buffer closed with (1/n_i under seq-mean-token-mean)."""
+        return self._ended[key]
 
 
 RULES = {"grpo": GrpoRules, "opd": OpdRules}

@@ -59,9 +59,9 @@ def packs(packing: str, device: str, model) -> bool:
 
 
 def cut_applies(model, obj: Objective, world: int, ref_model, token_weights) -> bool:
-    """Where the shared-prompt cut runs (learner.prefix_cut): GRPO groups on one process, a transformers decoder
-    with a Cache, rows that no reference model (KL) or TIS weights read over their whole length."""
-    return (obj.kind == "grpo" and world == 1 and token_weights is None
+    """Where the shared-prompt cut runs (learner.prefix_cut): groups sharing a prompt on one process, a transformers
+    decoder with a Cache, rows that no reference model (KL) or TIS weights read over their whole length."""
+    return (world == 1 and token_weights is None
             and (ref_model is None or not obj.loss.kl_coef) and supports_cut(model))
 
 
@@ -169,7 +169,7 @@ class StreamLearner:
 
     def _queue(self, r: Rollout, turn: int | None, row) -> None:
         self._seq += 1
-        start = self.cut.start_of(r) if self.cut is not None and turn is None else 0
+        start = self.cut.start_of(r) if self.cut is not None else 0
         self.queue.append(Arrival(r, turn, self._seq, row if row is not None else (r.key, self._seq), start))
 
     def _rule(self, name: str, r: Rollout):
@@ -191,10 +191,12 @@ class StreamLearner:
     def on_opd_trajectory(self, r: Rollout) -> None:
         """OPD, all turns at once (the lazy baselines): one row over the whole trajectory."""
         self._rule("on_opd_trajectory", r)(r)
+        self._close_prompts()
 
     def end_trajectory(self, r: Rollout) -> None:
         """OPD trajectory end: its per-sequence scalar (seq-mean-token-mean) is now known."""
         self.rules.end_trajectory(r)
+        self._close_prompts()
 
     @property
     def deferred(self) -> frozenset:
@@ -262,12 +264,13 @@ class StreamLearner:
         self._close_prompts()
         return batches
 
-    def _close_prompts(self) -> None:
-        """Backpropagate each prompt part whose group closed and has nothing queued: J^T (its total adjoint) into R."""
+    def _close_prompts(self, every: bool = False) -> None:
+        """Backpropagate each prompt part whose group closed and has nothing queued: J^T (its total adjoint) into R.
+        every: the round's close (every group and trajectory closed by then, or the round fails after this)."""
         if self.cut is None:
             return
-        for st in self.cut.ready(self.round.stats, {a.rollout.group_id for a in self.queue}):
-            adj = st.adjoint(lambda r, gid=st.group_id: self.round.advantage(gid, r))
+        for st in self.cut.ready(None if every else self.rules.group_closed, {a.rollout.group_id for a in self.queue}):
+            adj = st.adjoint(lambda r, gid=st.group_id: self.round.advantage(gid, r), self.rules.unit_scale)
             self._apply(("round", 1.0), self.grads.backward_outputs(st.outputs, adj))
             self.backwards += 1
 
@@ -298,7 +301,7 @@ class StreamLearner:
     # ---- round close ---------------------------------------------------------------------------
     def close_round(self) -> list[torch.Tensor]:
         """Apply the round scalar (1/N, 1/B or 1/C) once; the gradient per template (parameter or shard)."""
-        self._close_prompts()
+        self._close_prompts(every=True)
         if self.queue or (self.cut is not None and self.cut.states):
             raise RuntimeError(f"round closed with {len(self.queue)} item(s) not backwarded and "
                                f"{len(self.cut.states) if self.cut else 0} prompt part(s) open (a group or trajectory "

@@ -1,7 +1,7 @@
-"""The shared-prompt cut (learner.prefix_cut): a GRPO group's prompt forwarded and backpropagated once per group.
+"""The shared-prompt cut (learner.prefix_cut): a group's prompt forwarded and backpropagated once per group.
 
-Every member of a group starts with the same prompt tokens. Without the cut each member's row is
-input_ids[:end], so the prompt is forwarded and backpropagated once per member. With it:
+Every member of a group (GRPO; OPD's samples of one prompt) starts with the same prompt tokens. Without the cut
+each member's row is input_ids[:end], so the prompt is forwarded and backpropagated once per member. With it:
 
   open     the group's first backwarded member fixes the cut c = (its first scored position) - 1: positions
            [0, c) are the prompt part (c > 0, and position c-1's logits, which score token c, stay in the member
@@ -10,8 +10,9 @@ input_ids[:end], so the prompt is forwarded and backpropagated once per member. 
   member   a member whose input_ids[:c] equal the group's token for token is a row over [c, end), attending to
            the past (PrefixPast); its backward gives the parameter gradient of its own positions and the
            adjoints dL/dK_l, dL/dV_l at the boundary. A member that differs falls back to an uncut row.
-  close    once the group is closed (its advantages known) and none of its arrivals is queued, one backward of the
-           prompt's graph with the accumulated adjoints folds J_prompt^T a into R.
+  close    once the group is closed (GRPO: its advantages known; OPD: every trajectory ended) and none of its
+           arrivals is queued, one backward of the prompt's graph with the accumulated adjoints folds J_prompt^T a
+           into R.
 
 Exact by linearity: a member's gradient is its own part plus J_prompt^T (its adjoint), and the streaming round
 applies a linear map to members' gradients. The adjoints therefore follow their pass's fold target: a pass into R
@@ -20,7 +21,8 @@ coefficient A(r), the group's advantage once it closes (core/streaming.py Stream
 coefficient the accumulator gives the class's parameter gradients). Where the estimator is affine in r (the
 two-accumulator form), A(r) = alpha (r - r0) + A(r0) with r0 the group's first reward seen, so two sums suffice:
 sum (r - r0) a and sum a (centred on r0 as core/accumulator.py centres S_r: rewards near 100 keep their digits);
-the bucket form keeps one sum per reward value.
+the bucket form keeps one sum per reward value. OPD: a pass into a trajectory's unit buffer (seq-mean-token-mean
+while it runs) carries the unit's scale 1/n_i, known at its end: one sum per open trajectory.
 
 Memory per open group: the prompt's retained activations (about one c-token forward) and its adjoints, three
 keys-and-values sets (R's part, the two sums) or 1 + one per reward value (tsrl plan, "prefix_cut").
@@ -80,6 +82,7 @@ class PromptState:
     affine: bool = True  # the streaming round's buffer form: two sums, or one per reward value
     to_round: list[torch.Tensor] | None = None  # adjoints already weighted for R
     by_reward: dict[float, list[torch.Tensor]] = field(default_factory=dict)  # buckets: open-group classes
+    by_unit: dict[Hashable, list[torch.Tensor]] = field(default_factory=dict)  # OPD: a trajectory's unit buffer
     r0: float | None = None  # affine: the first reward seen, the centre of sum (r - r0) a
     centred: list[torch.Tensor] | None = None  # affine: sum (r - r0) a
     ones: list[torch.Tensor] | None = None  # affine: sum a
@@ -106,11 +109,14 @@ class PromptState:
         elif fold[0] == "member":
             r = float(fold[2])
             self.by_reward[r] = _axpy(self.by_reward.get(r), adjoints, 1.0, self.leaves)
+        elif fold[0] == "unit":
+            self.by_unit[fold[1]] = _axpy(self.by_unit.get(fold[1]), adjoints, 1.0, self.leaves)
         else:
             raise ValueError(f"prefix cut: fold target {fold[0]!r} has no prompt adjoint rule")
 
-    def adjoint(self, advantage) -> list[torch.Tensor]:
-        """The prompt's total adjoint once the group closed: R's part + sum over classes of A(r) * class."""
+    def adjoint(self, advantage, unit_scale=None) -> list[torch.Tensor]:
+        """The prompt's total adjoint once the group closed: R's part + sum over classes of A(r) * class (GRPO), + sum
+        over trajectories of its unit scale * its unit's (OPD under seq-mean-token-mean: 1/n_i)."""
         total = self.to_round
         if self.ones is not None:
             a0 = advantage(self.r0)
@@ -119,11 +125,14 @@ class PromptState:
                 total = _axpy(total, self.centred, advantage(self.r0 + 1.0) - a0, self.leaves)
         for r, adj in self.by_reward.items():
             total = _axpy(total, adj, advantage(r), self.leaves)
+        for key, adj in self.by_unit.items():
+            total = _axpy(total, adj, unit_scale(key), self.leaves)
         return total if total is not None else [torch.zeros_like(t) for t in self.leaves]
 
     def bytes(self) -> int:
         """The adjoint buffers held now (the retained graph is not counted here: tsrl plan prices it)."""
-        held = [b for b in (self.to_round, self.centred, self.ones) if b is not None] + list(self.by_reward.values())
+        held = ([b for b in (self.to_round, self.centred, self.ones) if b is not None] + list(self.by_reward.values())
+                + list(self.by_unit.values()))
         return sum(t.numel() * t.element_size() for buf in held for t in buf)
 
 
@@ -179,8 +188,10 @@ class PrefixCut:
         return st, True
 
     def ready(self, closed, queued_groups: set) -> list[PromptState]:
-        """Prompt states whose group is closed and has nothing queued: their backward can run (removed here)."""
-        out = [st for gid, st in self.states.items() if gid in closed and gid not in queued_groups]
+        """Prompt states whose group is closed (closed(gid); None: every group, the round's close) and has nothing
+        queued: their backward can run (removed here)."""
+        out = [st for gid, st in self.states.items()
+               if (closed is None or closed(gid)) and gid not in queued_groups]
         for st in out:
             del self.states[st.group_id]
         return out
