@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -551,3 +552,24 @@ def test_held_out_evaluation_runs_on_the_rollout_device(toy_config, monkeypatch)
     assert eval_device(toy_config(*remote)) == "cuda:0"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert eval_device(toy_config(*remote)) == "cpu"
+
+
+def test_bench_balance_auto_sets_the_latency_from_two_calibration_runs(toy_policies, tmp_path):
+    """--balance auto: two 3-round stream runs (no latency, then the config's), a line through their makespans, and
+    the latency where it meets the learner's measured work; the timed runs use it."""
+    # a wide toy with a KL term (the reference forward too): learner work well above generation on this machine
+    res = CliRunner().invoke(app_(), ["bench", "speedup", "experiments/smoke/tiny_cpu.yaml", "--rounds", "2",
+                                      "--schedules", "sync,stream", "--balance", "auto", "--tool-latency", "0.5",
+                                      "--hidden", "512", "--layers", "4", "--set", "loss.kl_coef=0.01",
+                                      "--out", str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    bal = doc["balance"]
+    p0, p1 = bal["calibration"]
+    assert (p0["tool_latency_median_s"], p1["tool_latency_median_s"]) == (0.0, 0.5)
+    a, b = p0["rollout_makespan_s"], (p1["rollout_makespan_s"] - p0["rollout_makespan_s"]) / 0.5
+    work = (p0["learner_busy_s"] + p1["learner_busy_s"]) / 2
+    assert bal["tool_latency_median_s"] == pytest.approx((work - a) / b) and bal["tool_latency_median_s"] > 0
+    assert doc["tool_latency_median_s"] == bal["tool_latency_median_s"]
+    cfg = yaml.safe_load((tmp_path / "b" / "stream" / "rep0" / "config.yaml").read_text())
+    assert cfg["rollout"]["tool_latency_median_s"] == pytest.approx(bal["tool_latency_median_s"])

@@ -26,6 +26,9 @@ BENCH_SETS = [
 ]
 
 
+BALANCE_NOTE = "3-round stream calibration runs, their first round left out"
+
+
 def _mib(b) -> str:
     return "n/a" if b is None else f"{b / 2**20:.1f}"
 
@@ -33,6 +36,7 @@ def _mib(b) -> str:
 @bench_app.command(
     "speedup",
     epilog="Examples:  tsrl bench speedup  ·  tsrl bench speedup --tool-latency 1.0 --spread 1.5 --rounds 8  ·  "
+           "tsrl bench speedup --balance auto --schedules sync,stream --rounds 8  ·  "
            "tsrl bench speedup experiments/bench_speedup.yaml --schedules sync,stream --json",
 )
 def speedup(
@@ -56,6 +60,9 @@ def speedup(
                                                            "default) | per_item (stream's own per-item "
                                                            "backwards after the last arrival: the same learner work, "
                                                            "so the speedup is overlap alone).")] = None,
+    balance: Annotated[str, typer.Option(help="auto: two short calibration runs first, then the median tool latency "
+                                               "at which rollout and learner work are equal on this machine "
+                                               "(replaces --tool-latency) | off.")] = "off",
     seed: Annotated[int | None, typer.Option(help="Seed of every run.")] = None,
     out: Annotated[str | None, typer.Option(help="Folder for the runs (default results/bench/<name>-<time>).")] = None,
     set_: SetOpt = None,
@@ -75,6 +82,8 @@ def speedup(
         if bad or not chosen:
             raise UsageError(f"--schedules: {', '.join(bad) or 'none given'}: use {', '.join(SCHEDULES)} or "
                              f"{STREAM_GROUP} (stream per group; comma-separated)")
+        if balance not in ("auto", "off"):
+            raise UsageError(f"--balance {balance!r}: use auto or off")
         if repeats < 1 or warmup < 0:
             raise UsageError("--repeats must be >= 1 and --warmup >= 0")
         flags = {"rounds": rounds, "rollout.tool_latency_median_s": tool_latency, "rollout.tool_latency_sigma": spread,
@@ -95,7 +104,8 @@ def speedup(
         out_root = out or f"results/bench/{base.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         display = TrainDisplay(enabled=not json_out)
         try:
-            res = bench_speedup(base, out_root, schedules=chosen, repeats=repeats, warmup=warmup, progress=display)
+            res = bench_speedup(base, out_root, schedules=chosen, repeats=repeats, warmup=warmup, progress=display,
+                                balance_auto=balance == "auto")
         finally:
             display.stop()
     if json_out:
@@ -108,9 +118,11 @@ def render(console, base, res: dict) -> None:
     from rich.table import Table
 
     ro = base.rollout
+    latency = res.get("tool_latency_median_s", ro.tool_latency_median_s)  # --balance auto sets its own
     t = Table(title=f"tsrl bench speedup: {base.objective}, {base.model.policy}, "
                     f"{ro.prompts_per_round}x{ro.group_size} "
-                    f"trajectories/round, tool latency {ro.tool_latency_median_s} s (sigma {ro.tool_latency_sigma}), "
+                    f"trajectories/round, tool latency {latency:.3g} s "
+                    f"(sigma {ro.tool_latency_sigma}), "
                     f"sync batching {base.sync_batching}; "
                     f"medians of rounds {res['warmup'] + 1}-{res['rounds']}, {res['repeats']} run(s) each",
               title_justify="left")
@@ -128,6 +140,12 @@ def render(console, base, res: dict) -> None:
                   f"{d['learner_busy_median_s']:.2f}", f"{d['rollout_makespan_median_s']:.2f}", str(d["staleness_max"]),
                   _mib(d["peak_mem_learner_bytes"]), _mib(d["accumulator_peak_bytes"]))
     console.print(t)
+    bal = res.get("balance")
+    if bal:
+        console.print(f"--balance auto: learner work {bal['learner_work_s']:.2f} s a round, generation "
+                      f"{bal['generation_s']:.2f} s + {bal['makespan_per_latency_s']:.2f} x the median tool latency: "
+                      "latency set to "
+                      f"{bal['tool_latency_median_s']:.3f} s (two {BALANCE_NOTE}).", highlight=False)
     st = res["schedules"].get("stream", {})
     if "memory_overhead_bytes" in st:
         console.print(f"stream minus sync, learner peak RSS: {_mib(st['memory_overhead_bytes'])} MiB (stream's "

@@ -46,13 +46,60 @@ def run_config(base: TrainConfig, name: str, run_dir: Path) -> TrainConfig:
     return replace(base, schedule=name, run=run)
 
 
+BALANCE_ROUNDS = 3  # per calibration run; its first round (warm-up: first forwards, allocations) is left out
+
+
+def _calibrate(base: TrainConfig, latency: float, run_dir: Path, progress) -> dict:
+    """One short stream run at this median tool latency: medians of its rollout makespan and learner busy time."""
+    cfg = run_config(replace(base, rounds=BALANCE_ROUNDS,
+                             rollout=replace(base.rollout, tool_latency_median_s=latency)), "stream", run_dir)
+    progress({"event": "run", "schedule": "balance", "repeat": 0, "run_dir": str(run_dir)})
+    train(cfg, progress=progress)
+    rs = RunDir(run_dir).rows(METRICS)[1:]
+    return {"tool_latency_median_s": latency,
+            "rollout_makespan_s": statistics.median(r["rollout_makespan_s"] for r in rs),
+            "learner_busy_s": statistics.median(r["learner_busy_s"] for r in rs)}
+
+
+def balance(base: TrainConfig, out_root: str | Path, progress: Callable[[dict], None] | None = None) -> dict:
+    """The median tool latency at which the rollout's makespan equals the learner's work on this machine.
+
+    With the same seeds the injected latencies are the median times fixed lognormal factors, so a round's makespan
+    is about a + b * median (a: generation, b: the slowest trajectory's summed factors). Two short stream runs, at
+    no latency and at the config's (or 0.5 s), give a and b; the learner's work W is the busy time they measured (the
+    same arrivals and backwards at either latency). The balance is L = (W - a) / b: rollout and learner work equal,
+    stream's ideal speedup over sync 2x. A learner faster than generation alone cannot be balanced by latency."""
+    progress = progress or (lambda ev: None)
+    root = Path(out_root) / "balance"
+    hi = base.rollout.tool_latency_median_s or 0.5
+    pts = [_calibrate(base, lat, root / f"latency-{lat:g}", progress) for lat in (0.0, hi)]
+    a, b = pts[0]["rollout_makespan_s"], (pts[1]["rollout_makespan_s"] - pts[0]["rollout_makespan_s"]) / hi
+    work = statistics.fmean(p["learner_busy_s"] for p in pts)
+    if b <= 0:
+        m0, m1 = pts[0]["rollout_makespan_s"], pts[1]["rollout_makespan_s"]
+        raise UsageError(f"--balance auto: the makespan did not grow with the tool latency ({m0:.2f} s at 0, "
+                         f"{m1:.2f} s at {hi:g} s): the workload has no tool calls to delay; set the latency by hand "
+                         "(--tool-latency)")
+    if work <= a:
+        raise UsageError(f"--balance auto: the learner's work ({work:.2f} s a round) is below the rollout's generation "
+                         f"alone ({a:.2f} s) on this machine; make the learner's side larger (--hidden, --layers)")
+    return {"tool_latency_median_s": (work - a) / b, "learner_work_s": work, "generation_s": a,
+            "makespan_per_latency_s": b, "calibration": pts}
+
+
 def bench_speedup(base: TrainConfig, out_root: str | Path, *, schedules: tuple[str, ...] = ("sync", "stream", "async"),
-                  repeats: int = 1, warmup: int = 1, progress: Callable[[dict], None] | None = None) -> dict:
-    """Run base under each schedule (`repeats` cycles, alternating) and compare their step times."""
+                  repeats: int = 1, warmup: int = 1, progress: Callable[[dict], None] | None = None,
+                  balance_auto: bool = False) -> dict:
+    """Run base under each schedule (`repeats` cycles, alternating) and compare their step times. balance_auto: set
+    the median tool latency first so that rollout and learner work are equal on this machine (`balance`)."""
     progress = progress or (lambda ev: None)
     if warmup >= base.rounds:
         raise UsageError(f"--warmup {warmup} leaves no measured round of {base.rounds}; raise --rounds")
     out_root = Path(out_root)
+    balanced = None
+    if balance_auto:
+        balanced = balance(base, out_root, progress)
+        base = replace(base, rollout=replace(base.rollout, tool_latency_median_s=balanced["tool_latency_median_s"]))
     runs = []
     for rep in range(repeats):
         for s in schedules:
@@ -61,7 +108,8 @@ def bench_speedup(base: TrainConfig, out_root: str | Path, *, schedules: tuple[s
             progress({"event": "run", "schedule": s, "repeat": rep, "run_dir": str(run_dir)})
             runs.append({"schedule": s, "repeat": rep, "run_dir": str(run_dir),
                          "summary": train(cfg, progress=progress)})
-    return {**compare_runs(out_root, schedules, repeats, warmup), "rounds": base.rounds, "runs": runs}
+    return {**compare_runs(out_root, schedules, repeats, warmup), "rounds": base.rounds, "runs": runs,
+            "tool_latency_median_s": base.rollout.tool_latency_median_s, "balance": balanced}
 
 
 def compare_runs(out_root: str | Path, schedules: tuple[str, ...], repeats: int, warmup: int) -> dict:
