@@ -14,13 +14,15 @@ learner): a trajectory's queued turns then share one row.
 
 Per K and unit, beside the lazy batch (`sync`: one padded batch after the last arrival):
   positions      token positions the backwards covered (RoundWork.work(): rows x width per backward)
+  replayed       positions backwarded again without a forward: the unit `segment` (rl/prefix.py Chain, the
+                 authors' per-turn scheme) replays each segment's kept graph at its trajectory's end
   / sum T_i      over every trajectory once; / B x T_max over the lazy padded batch
   cpu / lazy     learner CPU seconds inside the backwards (RoundWork.busy_cpu_s), median of --repeat
                  runs, over the lazy batch's (a padded batch on a CPU costs more than its rows alone:
                  docs/streaming.md, "Micro-batching")
   max_rel_diff   the streamed gradient against the verl-style lazy loss (rl.learner.lazy_loss), float64
 
-    .venv/bin/python experiments/opd_horizon.py                     # K = 8, 16, 32; units turn and trajectory
+    .venv/bin/python experiments/opd_horizon.py                     # K = 8, 16, 32; units turn, trajectory, segment
     .venv/bin/python experiments/opd_horizon.py --turns 8 --loss-agg seq-mean-token-mean --json
 """
 
@@ -40,6 +42,7 @@ from tsrl_cli.config import OPD_UNITS, LossConfig
 from tsrl_cli.core.graddiff import compare
 from tsrl_cli.policy import build_tiny_model, score_tokens
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
+from tsrl_cli.rl.prefix import SEGMENT
 from tsrl_cli.rl.schedules import learn_stream, learn_sync
 from tsrl_cli.rl.types import GroupSpec, RoundPlan, TrajectoryDone, TurnScored
 from tsrl_cli.rollouts import Rollout
@@ -111,8 +114,9 @@ class ScriptedLearner:
         return self.cfg.sync_batching
 
     def round_learner(self, plan: RoundPlan, token_weights=None, max_items=1) -> StreamLearner:
-        return StreamLearner(self.model, self.obj, plan.group_sizes(), max_items=max_items,
-                             token_weights=token_weights, opd_unit=self.opd_unit)
+        self.last = StreamLearner(self.model, self.obj, plan.group_sizes(), max_items=max_items,
+                                  token_weights=token_weights, opd_unit=self.opd_unit)
+        return self.last
 
     def receive(self, plan, block, limit=None):
         n = self.burst if limit is None else min(limit, self.burst)
@@ -136,11 +140,13 @@ def run_round(model, rollouts: list[Rollout], obj: Objective, schedule: str, uni
               burst: int = 1):
     """One round under `stream` (with learner.opd_unit `unit`) or `sync` (the lazy padded batch): its RoundWork."""
     learner = ScriptedLearner(model, obj, messages(rollouts), burst, unit)
-    return (learn_stream if schedule == "stream" else learn_sync)(learner, plan_of(rollouts))
+    work = (learn_stream if schedule == "stream" else learn_sync)(learner, plan_of(rollouts))
+    work.replayed = learner.last.replayed
+    return work
 
 
 def measure(turns: int, *, trajectories: int = 8, loss_agg: str = "token-mean", burst: int = 1, repeat: int = 3,
-            seed: int = 0, hidden: int = 64, layers: int = 2, units=OPD_UNITS) -> dict:
+            seed: int = 0, hidden: int = 64, layers: int = 2, units=(*OPD_UNITS, SEGMENT)) -> dict:
     """The table's rows for one K: the lazy batch, then stream per unit."""
     width = 32 + turns * 64 + 64
     model = build_tiny_model(seed, torch.float64, vocab_size=VOCAB, hidden=hidden, layers=layers, max_positions=width)
@@ -168,7 +174,7 @@ def measure(turns: int, *, trajectories: int = 8, loss_agg: str = "token-mean", 
         c = statistics.median(cpu[(sched, unit)])
         rows.append({
             "turns": turns, "schedule": sched, "opd_unit": None if unit == "-" else unit,
-            "positions": wk["positions"], "trajectory_tokens": wk["trajectory_tokens"],
+            "positions": wk["positions"], "replayed": w.replayed, "trajectory_tokens": wk["trajectory_tokens"],
             "padded_tokens": wk["padded_tokens"], "backwards": w.backwards,
             "positions_over_sum_T": wk["positions"] / wk["trajectory_tokens"],
             "positions_over_lazy_batch": wk["positions"] / lazy["positions"],
@@ -199,11 +205,12 @@ def main(argv=None) -> int:
         return 0
     print(f"OPD, {a.trajectories} trajectories, {a.loss_agg}, float64, tiny Qwen3 h{a.hidden}/l{a.layers}, "
           f"burst {a.burst}, CPU seconds median of {a.repeat}")
-    print(f"{'K':>3} {'schedule':<9} {'unit':<10} {'positions':>9} {'/sum T_i':>8} {'/lazy':>6} {'backwards':>9} "
-          f"{'cpu s':>7} {'cpu/lazy':>8} {'rel diff':>9}")
+    print(f"{'K':>3} {'schedule':<9} {'unit':<10} {'positions':>9} {'replayed':>8} {'/sum T_i':>8} {'/lazy':>6} "
+          f"{'backwards':>9} {'cpu s':>7} {'cpu/lazy':>8} {'rel diff':>9}")
     for res in out:
         for r in res["rows"]:
             print(f"{r['turns']:>3} {r['schedule']:<9} {r['opd_unit'] or '-':<10} {r['positions']:>9} "
+                  f"{r['replayed']:>8} "
                   f"{r['positions_over_sum_T']:>8.3f} {r['positions_over_lazy_batch']:>6.3f} {r['backwards']:>9} "
                   f"{r['cpu_s']:>7.3f} {r['cpu_over_lazy']:>8.3f} {r['max_rel_diff']:>9.1e}")
     return 0

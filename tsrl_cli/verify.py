@@ -82,8 +82,11 @@ def learner_settings(sets: list[str] | tuple[str, ...]) -> LearnerConfig:
     return lc
 
 
-def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int) -> list[Rollout]:
+def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int,
+                    shared_prompt: bool = False) -> list[Rollout]:
     """Multi-turn rollouts with random tokens and rewards chosen to stress the math.
+    shared_prompt: a group's members start with one prompt, as sampled groups do (the learner's shared-prompt cut,
+    rl/prefix.py, then applies).
 
     Group kinds cycle through: binary 0/1 rewards, continuous rewards, a zero-variance group (all
     rewards equal), and rewards far from zero (100 + 0.01 * noise). Each trajectory is a prompt,
@@ -93,8 +96,9 @@ def random_rollouts(vocab_size: int, groups: int, group_size: int, seed: int) ->
     out = []
     for g in range(groups):
         kind = g % 4
+        head = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 10))]
         for i in range(group_size):
-            ids = [rng.randrange(vocab_size) for _ in range(rng.randint(4, 10))]
+            ids = list(head) if shared_prompt else [rng.randrange(vocab_size) for _ in range(rng.randint(4, 10))]
             mask = [0] * len(ids)
             spans = []
             n_turns = rng.randint(1, 3)
@@ -176,7 +180,7 @@ def lazy_and_stream(model, rollouts: list[Rollout], obj: Objective, order: str =
         checkpoint_activations(model)
     sl = StreamLearner(model, obj, Counter(r.group_id for r in rollouts), max_tokens=max_tokens,
                        max_items=lc.max_microbatch_items, chunk_tokens=lc.logits_chunk_tokens, opd_unit=lc.opd_unit,
-                       granularity=lc.granularity,
+                       granularity=lc.granularity, prefix_cut=lc.prefix_cut,
                        packed=packs(lc.packing, str(next(model.parameters()).device), model))
     t0 = time.perf_counter()
     stream = feed(sl, items, queued)
@@ -300,8 +304,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
     else:
         if opts.groups < 1 or opts.group_size < 1:
             raise UsageError("--groups and --group-size must be >= 1")
-        rollouts = random_rollouts(vocab, opts.groups, opts.group_size, opts.seed)
-        source = f"random (seed {opts.seed}, {opts.groups} groups x {opts.group_size})"
+        rollouts = random_rollouts(vocab, opts.groups, opts.group_size, opts.seed, shared_prompt=True)
+        source = f"random (seed {opts.seed}, {opts.groups} groups x {opts.group_size}, a prompt per group)"
 
     if obj.kind == "opd" and (opts.teacher or any(r.teacher_logprobs is None for r in rollouts)):
         spec = opts.teacher or BUILTIN_TINY_TEACHER
@@ -355,6 +359,8 @@ def run_verify(opts: VerifyOptions, progress=lambda msg: None) -> dict:
         "num_loss_tokens": learner.num_tokens,
         "stream_backwards": learner.backwards,
         "microbatches": len(learner.batches),
+        # positions of the groups' prompt parts forwarded once each (learner.prefix_cut; 0: rows whole)
+        "prefix_cut_positions": learner.cut.positions if learner.cut is not None and ranks is None else 0,
         "queued": opts.queued,
         "buffer_dtype": obj.loss.buffer_dtype,
         "buffer_device": obj.loss.buffer_device,

@@ -29,6 +29,16 @@ def test_verify_json_is_one_document(objective):
     assert doc["ok"] and doc["max_rel_diff"] <= 1e-10 and doc["objective"] == objective
 
 
+@pytest.mark.parametrize("objective", ["grpo", "opd"])
+def test_verify_checks_the_shared_prompt_cut(objective):
+    """Random groups share a prompt, so verify's streamed side runs the cut (learner.prefix_cut) against the lazy
+    batch's whole rows; with the cut off the same check runs on whole rows (the control: no prompt part)."""
+    on = json.loads(run("verify", "--objective", objective, "--groups", "3", "--group-size", "4", "--json").stdout)
+    off = json.loads(run("verify", "--objective", objective, "--groups", "3", "--group-size", "4", "--json",
+                         "--set", "learner.prefix_cut=false").stdout)
+    assert on["ok"] and off["ok"] and on["prefix_cut_positions"] > 0 and off["prefix_cut_positions"] == 0
+
+
 def test_verify_human_output():
     res = run("verify", "--groups", "2", "--group-size", "2")
     assert res.exit_code == 0

@@ -207,3 +207,51 @@ def test_opd_unit_scale_weights_its_adjoint(tiny64, teacher64, monkeypatch):
         sl.step()
     sl.drain()
     assert rel(sl.close_round(), ref) > 1e-3
+
+
+@pytest.mark.parametrize("loss", [{}, {"loss_agg": "seq-mean-token-mean"}, {"kl_coef": 0.05, "loss_agg": "token-mean"}])
+@pytest.mark.parametrize("cut", [True, False])
+@pytest.mark.parametrize("burst", [1, 2])
+def test_opd_segments_equal_the_lazy_batch(tiny64, teacher64, loss, cut, burst):
+    """OPD unit `segment` (rl/prefix.py Chain): each turn forwarded once over its segment, backwarded for its own loss,
+    its dependence on earlier segments replayed at the trajectory's end; with and without the group's prompt part,
+    one or two queued turns per row."""
+    ro = shared_prompt_groups(ref=teacher64)
+    for r in ro:
+        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    obj = Objective("opd", LossConfig(**loss))
+    ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
+    sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=cut, opd_unit="segment")
+    turns = [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]
+    for i, (r, k) in enumerate(turns):
+        sl.on_turn(r, k)
+        if i % burst == burst - 1:
+            sl.step()
+    sl.drain()
+    assert rel(sl.close_round(), ref) <= 1e-9
+    real = sum(b.real_tokens for b in sl.batches)
+    own = sum(max(j for j, m in enumerate(r.loss_mask) if m) + 1 for r in ro)
+    rows = Counter(b.items[0].rollout.key for b in sl.batches)
+    # every position forwarded once (the prompt parts, then each trajectory's segments), and the one position a row
+    # re-encodes for the next: its logits score the next row's first token
+    prompt = {f"g{g}": 12 + g - 1 for g in range(3)} if cut else {}
+    shared = sum(prompt.get(r.group_id, 0) for r in ro if (r.group_id, r.sample_index) != ("g0", 4))  # odd: whole
+    assert real == own - shared + sum(prompt.values()) + sum(n - 1 for n in rows.values())
+    assert sl.chains == {} and (sl.cut is None or sl.cut.states == {})
+
+
+def test_dropping_a_segments_replay_is_caught(tiny64, teacher64, monkeypatch):
+    from tsrl_cli.rl.prefix import Chain
+
+    ro = shared_prompt_groups()
+    for r in ro:
+        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    obj = Objective("opd", LossConfig())
+    ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
+    monkeypatch.setattr(Chain, "replay", lambda self, *a: [])
+    sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=False, opd_unit="segment")
+    for r, k in [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]:
+        sl.on_turn(r, k)
+        sl.step()
+    sl.drain()
+    assert rel(sl.close_round(), ref) > 1e-3

@@ -164,6 +164,9 @@ class GrpoRules:
     def unit_scale(self, key: Hashable) -> float:
         raise ValueError(f"GRPO has no unit buffers (trajectory {key!r})")
 
+    def ended(self, key: Hashable) -> bool:
+        return True  # a GRPO trajectory arrives whole
+
 
 class OpdRules:
     """OPD: `on_turn(r, k)` per teacher-scored model turn, `end_trajectory(r)` when the trajectory ends;
@@ -251,6 +254,9 @@ class OpdRules:
     def unit_scale(self, key: Hashable) -> float:
         """The scale its unit buffer closed with (1/n_i under seq-mean-token-mean)."""
         return self._ended[key]
+
+    def ended(self, key: Hashable) -> bool:
+        return key in self._ended
 
 
 RULES = {"grpo": GrpoRules, "opd": OpdRules}

@@ -40,7 +40,7 @@ class Layout:
         self.packed = packed and prompt is None
         self.lengths = [h.end - self.start for h in heads]
         self.width = max(self.lengths)
-        if self.start:
+        if prompt is not None:  # rows over [c, end) attending to the prompt's (or earlier segments') keys and values
             c = self.start
             self.ids = pad_rows([h.rollout.input_ids[c: h.end] for h in heads], self.width, torch.long, device)
             self.attn = pad_rows([[1] * (c + n) for n in self.lengths], c + self.width, torch.long, device)

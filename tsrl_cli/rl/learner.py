@@ -34,13 +34,14 @@ from tsrl_cli.config import GRANULARITIES, OPD_UNITS
 from tsrl_cli.core.losses import round_scale
 from tsrl_cli.core.streaming import StreamingRound
 from tsrl_cli.errors import UsageError
+from tsrl_cli.policy import decoder_layers
 from tsrl_cli.rl import microbatch
 from tsrl_cli.rl.arrivals import RULES, Arrival, OpenBuffers
 from tsrl_cli.rl.batchloss import TokenWeights, idle_losses, microbatch_losses, zero_loss
 from tsrl_cli.rl.hostfold import HostFold, auto_threads
 from tsrl_cli.rl.microbatch import MicroBatch
 from tsrl_cli.rl.objective import Objective, check_inputs, lazy_loss, pad_rows
-from tsrl_cli.rl.prefix import PrefixCut, supports_cut
+from tsrl_cli.rl.prefix import SEGMENT, Chain, PrefixCut, supports_cut
 from tsrl_cli.rollouts import Rollout
 
 __all__ = ["LocalGrads", "MicroBatch", "Objective", "StreamLearner", "lazy_loss", "packs", "pad_rows"]
@@ -73,12 +74,13 @@ class LocalGrads:
         self.templates = self.params
         self.passes = 0
 
-    def backward(self, losses, folds_by_rank, fold, extra: Sequence[torch.Tensor] = ()) -> list[list]:
+    def backward(self, losses, folds_by_rank, fold, extra: Sequence[torch.Tensor] = (), keep: bool = False) -> list:
         """Each loss's gradient folded into its target; returns each pass's gradients of `extra` (leaf tensors the
-        losses read beside the parameters: a group's prompt keys and values, rl/prefix.py)."""
+        losses read beside the parameters: a group's prompt keys and values, rl/prefix.py). keep: the graph stays
+        for a later backward (an OPD segment's replay)."""
         out, n = [], len(self.params)
         for k, loss in enumerate(losses):
-            grads = torch.autograd.grad(loss, self.params + list(extra), retain_graph=k < len(losses) - 1,
+            grads = torch.autograd.grad(loss, self.params + list(extra), retain_graph=keep or k < len(losses) - 1,
                                         allow_unused=True)
             self.passes += 1
             if folds_by_rank[k][0] is not None:
@@ -86,10 +88,14 @@ class LocalGrads:
             out.append(list(grads[n:]))
         return out
 
-    def backward_outputs(self, outputs: Sequence[torch.Tensor], adjoints: Sequence[torch.Tensor]) -> list:
-        """J^T adjoints: the parameters' gradient of kept outputs (a group's prompt keys and values)."""
+    def backward_outputs(self, outputs: Sequence[torch.Tensor], adjoints: Sequence[torch.Tensor],
+                         extra: Sequence[torch.Tensor] = ()) -> tuple[list, list]:
+        """J^T adjoints: the gradients of kept outputs (a group's prompt keys and values, an OPD segment's) with
+        respect to the parameters and to `extra` (leaves those outputs read)."""
         self.passes += 1
-        return list(torch.autograd.grad(outputs, self.params, grad_outputs=adjoints, allow_unused=True))
+        n = len(self.params)
+        grads = torch.autograd.grad(outputs, self.params + list(extra), grad_outputs=adjoints, allow_unused=True)
+        return list(grads[:n]), list(grads[n:])
 
 
 class StreamLearner:
@@ -115,7 +121,7 @@ class StreamLearner:
                  threaded_host_fold: bool | None = None, chunk_tokens: int | None = None,
                  opd_unit: str = "turn", granularity: str = "trajectory", packed: bool = False,
                  prefix_cut: bool = False, fold_fault=None):
-        if opd_unit not in OPD_UNITS:
+        if opd_unit not in (*OPD_UNITS, SEGMENT):
             raise UsageError(f"OPD unit {opd_unit!r} is unknown; use one of {', '.join(OPD_UNITS)}")
         if granularity not in GRANULARITIES:
             raise UsageError(f"granularity {granularity!r} is unknown; use one of {', '.join(GRANULARITIES)}")
@@ -156,10 +162,19 @@ class StreamLearner:
         self._loss_sum = 0.0  # this rank's round-target losses before Z (the lazy loss, once Z is known)
         self.loss: float | None = None
         self.batches: list[MicroBatch] = []  # every micro-batch of the round, in order (all ranks')
+        self.replayed = 0  # OPD unit segment: positions backwarded again at their trajectory's end (no forward)
         # the shared-prompt cut (rl/prefix.py): GRPO on one process, rows read by no reference model or TIS weights
         self.cut = None
         if prefix_cut and cut_applies(model, obj, world, ref_model, token_weights):
             self.cut = PrefixCut(model, affine=self.round.form == "affine")
+        # OPD unit `segment` (rl/prefix.py Chain): each trajectory's turns as segments over kept keys and values
+        self.chains: dict | None = None
+        if obj.kind == "opd" and opd_unit == SEGMENT:
+            if not cut_applies(model, obj, world, ref_model, token_weights):
+                raise UsageError("OPD unit segment runs on one learner process, a transformers decoder, without a "
+                                 "reference-model KL or TIS weights; use opd_unit trajectory or turn")
+            self.chains = {}
+            self._layers = len(decoder_layers(model))
 
     # ---- arrivals ------------------------------------------------------------------------------
     def _tally(self, r: Rollout, n: int) -> None:
@@ -182,7 +197,6 @@ class StreamLearner:
     def on_trajectory(self, r: Rollout) -> None:
         """GRPO: a trajectory and its reward arrived (queued; backwarded by step/drain)."""
         self._rule("on_trajectory", r)(r)
-        self._close_prompts()  # its group may have closed with every member already backwarded
 
     def on_turn(self, r: Rollout, k: int) -> None:
         """OPD: model turn k of trajectory r was scored by the teacher (queued)."""
@@ -191,12 +205,10 @@ class StreamLearner:
     def on_opd_trajectory(self, r: Rollout) -> None:
         """OPD, all turns at once (the lazy baselines): one row over the whole trajectory."""
         self._rule("on_opd_trajectory", r)(r)
-        self._close_prompts()
 
     def end_trajectory(self, r: Rollout) -> None:
         """OPD trajectory end: its per-sequence scalar (seq-mean-token-mean) is now known."""
         self.rules.end_trajectory(r)
-        self._close_prompts()
 
     @property
     def deferred(self) -> frozenset:
@@ -211,7 +223,11 @@ class StreamLearner:
         opening: set = set()
         for a in self.queue:
             t = self.rules.target(a, opening)
-            if t is not None:  # cut rows batch with their own group's only: one prompt part per batch
+            if t is None:
+                continue
+            if self.chains is not None:  # a segment's row is alone in its batch: one trajectory's past
+                classes.setdefault((t, ("chain", a.rollout.key)), []).append(a)
+            else:  # cut rows batch with their own group's only: one prompt part per batch
                 classes.setdefault((t, a.rollout.group_id if a.start else None), []).append(a)
         batches = microbatch.plan(classes, self.world, self.max_items, self.max_tokens, self.packed)
         for b in batches:
@@ -219,22 +235,38 @@ class StreamLearner:
         return batches
 
     def has_work(self) -> bool:
-        """Arrivals queued that can be backwarded now (deferred ones wait for their group or trajectory)."""
+        """Arrivals queued that can be backwarded now (deferred ones wait for their group or trajectory), or a
+        prompt part or OPD segment chain whose backward can run (rl/prefix.py): a step runs those."""
         opening: set = set()
         deferred = set(self.buffers.deferred)
         try:
-            return any(self.rules.target(a, opening) is not None for a in self.queue)
+            return any(self.rules.target(a, opening) is not None for a in self.queue) or self._closable()
         finally:
             self.buffers.deferred = deferred  # has_work never decides a deferral
+
+    def _closable(self) -> bool:
+        if self.cut is None and not self.chains:
+            return False
+        queued = {a.rollout.key for a in self.queue}
+        if any(k not in queued and self.rules.ended(k) for k in (self.chains or {})):
+            return True
+        if self.cut is None:
+            return False
+        busy = {a.rollout.group_id for a in self.queue} | {ch.group_id for ch in (self.chains or {}).values()}
+        return any(self.rules.group_closed(g) and g not in busy for g in self.cut.states)
 
     def step(self) -> list[MicroBatch]:
         """Backward the next micro-batch of each rank (every rank calls this together); returns them all."""
         batches = self.plan()
-        if not batches:
+        if not batches:  # nothing to backward but what closed: prompt parts, OPD segment replays
+            self._close_prompts()
             return []
         mine = batches[self.rank] if self.rank < len(batches) else None
         prompt = None
-        if mine is not None and mine.prefix is not None:
+        if mine is not None and self.chains is not None:
+            prompt = self._chain(mine)
+            mine.width = mine.real = max(a.end for a in mine.items) - prompt.cut  # the row starts where its past ends
+        elif mine is not None and mine.prefix is not None:
             prompt, forwarded = self.cut.state(mine.prefix)
             mine.prompt = prompt.cut if forwarded else 0
         if mine is None:
@@ -251,9 +283,13 @@ class StreamLearner:
         if prompt is None:
             self.grads.backward(losses, folds, self._apply)
         else:  # the boundary adjoints follow their pass's fold target
-            for k, adj in enumerate(self.grads.backward(losses, folds, self._apply, extra=prompt.leaves)):
+            chain = isinstance(prompt, Chain)
+            leaves = prompt.past_leaves() if chain else prompt.leaves
+            for k, adj in enumerate(self.grads.backward(losses, folds, self._apply, extra=leaves, keep=chain)):
                 if folds[k][self.rank] is not None:
                     prompt.add(folds[k][self.rank], adj)
+            if chain:
+                prompt.record(prompt.cut, max(a.end for a in mine.items))
         self.backwards += n_pass
         done = {id(a) for b in batches for a in b.items}
         self.queue = [a for a in self.queue if id(a) not in done]
@@ -264,14 +300,41 @@ class StreamLearner:
         self._close_prompts()
         return batches
 
+    def _chain(self, b: MicroBatch) -> Chain:
+        """The trajectory's chain of segments (opened with its group's prompt part where the cut applies)."""
+        r = b.items[0].rollout
+        ch = self.chains.get(r.key)
+        if ch is None:
+            st = None
+            if self.cut is not None and b.items[0].start:
+                st, forwarded = self.cut.state(r.group_id)
+                b.prompt = st.cut if forwarded else 0
+            ch = self.chains[r.key] = Chain(r.group_id, st, self._layers)
+        return ch
+
+    def _close_chains(self, every: bool = False) -> None:
+        """Replay each ended trajectory's segments (nothing of it queued): their gradient into R, the prompt part's
+        adjoint into its group's ledger."""
+        if not self.chains:
+            return
+        queued = {a.rollout.key for a in self.queue}
+        for key in [k for k in self.chains if k not in queued and (every or self.rules.ended(k))]:
+            ch = self.chains.pop(key)
+            runs = ch.replay(self.rules.unit_scale(key), self.grads.backward_outputs,
+                             lambda g: self._apply(("round", 1.0), g))
+            self.backwards += len(runs)
+            self.replayed += sum(runs)
+
     def _close_prompts(self, every: bool = False) -> None:
         """Backpropagate each prompt part whose group closed and has nothing queued: J^T (its total adjoint) into R.
         every: the round's close (every group and trajectory closed by then, or the round fails after this)."""
+        self._close_chains(every)
         if self.cut is None:
             return
-        for st in self.cut.ready(None if every else self.rules.group_closed, {a.rollout.group_id for a in self.queue}):
+        busy = {a.rollout.group_id for a in self.queue} | {ch.group_id for ch in (self.chains or {}).values()}
+        for st in self.cut.ready(None if every else self.rules.group_closed, busy):
             adj = st.adjoint(lambda r, gid=st.group_id: self.round.advantage(gid, r), self.rules.unit_scale)
-            self._apply(("round", 1.0), self.grads.backward_outputs(st.outputs, adj))
+            self._apply(("round", 1.0), self.grads.backward_outputs(st.outputs, adj)[0])
             self.backwards += 1
 
     def drain(self) -> None:

@@ -199,3 +199,128 @@ class PrefixCut:
     def held_bytes(self) -> int:
         return sum(st.bytes() for st in self.states.values())
 
+
+
+# ---------------------------------------------------------------------------- OPD: a trajectory's turns as segments
+
+SEGMENT = "segment"  # the learner's OPD unit for Chain (StreamLearner(opd_unit=...); measured, not a config choice)
+
+
+class _SegmentLayer(DynamicLayer):
+    """A cache layer over a fixed past (batch 1, or none) that keeps this forward's own keys and values (`new`): a
+    turn's segment. Idempotent under activation checkpointing's recomputation, like _Past and _Recorder."""
+
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None):
+        super().__init__()
+        if keys is not None:  # the past's length is what the attention mask is built from
+            self.keys, self.values, self.is_initialized = keys, values, True
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.new = (key_states, value_states)
+        if self.keys is None:
+            return key_states, value_states
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+@dataclass
+class Segment:
+    """Positions [start, end) of one trajectory, forwarded once: its keys and values with their graph (replayed at the
+    trajectory's close with the adjoints later turns left on them), and the leaves later turns attend to."""
+
+    start: int
+    end: int
+    outputs: list[torch.Tensor]
+    leaves: list[torch.Tensor]
+    to_round: list[torch.Tensor] | None = None  # adjoints already weighted for R
+    to_unit: list[torch.Tensor] | None = None  # adjoints of passes into the trajectory's unit buffer (scale at its end)
+
+    def add(self, fold: tuple, adjoints) -> None:
+        if fold[0] == "round":
+            self.to_round = _axpy(self.to_round, adjoints, fold[1], self.leaves)
+        elif fold[0] == "unit":
+            self.to_unit = _axpy(self.to_unit, adjoints, 1.0, self.leaves)
+        else:
+            raise ValueError(f"segment: fold target {fold[0]!r} has no adjoint rule")
+
+
+class Chain:
+    """One OPD trajectory under the OPD unit `segment` (the authors' per-turn scheme): each scored turn is forwarded
+    once over [end of what was kept, its end), attending to the earlier segments' keys and values (and its group's
+    prompt part), and backwarded at once for its own loss; the gradient that loss leaves on earlier keys and values (a
+    later turn's dependence on them) is kept per segment, and replayed through each segment's kept graph, last first,
+    when the trajectory is done. Exact by the chain rule; positions: each token forwarded once (plus one per row,
+    whose logits score the next row's first token), backwarded twice (its turn's own loss, then its segment's
+    replay)."""
+
+    def __init__(self, group_id: Hashable, prompt: PromptState | None, n_layers: int):
+        self.group_id, self.prompt, self.n_layers = group_id, prompt, n_layers
+        self.segments: list[Segment] = []
+        self._layers: list[_SegmentLayer] = []
+
+    @property
+    def cut(self) -> int:
+        """Where the next segment starts (Layout reads a prompt-like object's cut and past())."""
+        if self.segments:
+            return self.segments[-1].end
+        return self.prompt.cut if self.prompt is not None else 0
+
+    def past_leaves(self) -> list[torch.Tensor]:
+        """Every leaf the next segment attends to, in order: the prompt's, then each segment's."""
+        out = list(self.prompt.leaves) if self.prompt is not None else []
+        for s in self.segments:
+            out += s.leaves
+        return out
+
+    def past(self) -> Cache:
+        """A fresh cache for the next segment's forward: the past leaves per layer; it records the segment's own."""
+        parts = ([self.prompt.leaves] if self.prompt is not None else []) + [s.leaves for s in self.segments]
+        self._layers = [_SegmentLayer(torch.cat([p[2 * i] for p in parts], dim=-2) if parts else None,
+                                      torch.cat([p[2 * i + 1] for p in parts], dim=-2) if parts else None)
+                        for i in range(self.n_layers)]
+        return Cache(layers=self._layers)
+
+    def record(self, start: int, end: int) -> None:
+        """The row just run covered [start, end): keep the keys and values of [start, end - 1) as a new segment. The
+        last position's logits score the next row's first token, so the next row starts there, re-encoding that one
+        position: its keys and values are kept once, from that row."""
+        n = end - 1 - start
+        if n <= 0:
+            return
+        outputs = [t[:, :, :n] for layer in self._layers for t in layer.new]  # (1, kv heads, n, head dim)
+        self.segments.append(Segment(start, end - 1, outputs, [t.detach().requires_grad_(True) for t in outputs]))
+
+    def add(self, fold: tuple, adjoints: Sequence[torch.Tensor | None]) -> None:
+        """A pass's adjoints on every past leaf (past_leaves' order), under its fold target."""
+        i = 0
+        if self.prompt is not None:
+            n = len(self.prompt.leaves)
+            self.prompt.add(fold, adjoints[:n])
+            i = n
+        for s in self.segments:
+            n = len(s.leaves)
+            s.add(fold, adjoints[i:i + n])
+            i += n
+
+    def replay(self, unit_scale: float, backward_outputs, fold_round) -> list[int]:
+        """The trajectory is done: last segment first, its total adjoint (R's part + unit_scale x its unit part) through
+        its kept graph; the parameters' gradient goes to R (fold_round), the adjoints it leaves on earlier segments
+        and on the prompt part join theirs, already weighted. backward_outputs(outputs, adjoints, extra) -> (parameter
+        gradients, extra's gradients). Returns the positions of each segment replayed (a segment no later turn read
+        needs none)."""
+        runs = []
+        for j in reversed(range(len(self.segments))):
+            s = self.segments[j]
+            adj = s.to_round
+            if s.to_unit is not None:
+                adj = _axpy(adj, s.to_unit, unit_scale, s.leaves)
+            if adj is None:
+                continue
+            earlier = Chain(self.group_id, self.prompt, self.n_layers)
+            earlier.segments = self.segments[:j]
+            grads, extra = backward_outputs(s.outputs, adj, earlier.past_leaves())
+            fold_round(grads)
+            earlier.add(("round", 1.0), extra)
+            runs.append(s.end - s.start)
+        self.segments = []
+        return runs
