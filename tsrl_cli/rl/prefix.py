@@ -129,12 +129,6 @@ class PromptState:
             total = _axpy(total, adj, unit_scale(key), self.leaves)
         return total if total is not None else [torch.zeros_like(t) for t in self.leaves]
 
-    def bytes(self) -> int:
-        """The adjoint buffers held now (the retained graph is not counted here: tsrl plan prices it)."""
-        held = ([b for b in (self.to_round, self.centred, self.ones) if b is not None] + list(self.by_reward.values())
-                + list(self.by_unit.values()))
-        return sum(t.numel() * t.element_size() for buf in held for t in buf)
-
 
 def _axpy(buf, adjoints, alpha: float, like) -> list[torch.Tensor]:
     adj = [a if a is not None else torch.zeros_like(t) for a, t in zip(adjoints, like, strict=True)]
@@ -146,7 +140,7 @@ def _axpy(buf, adjoints, alpha: float, like) -> list[torch.Tensor]:
 
 
 class PrefixCut:
-    """The round's prompt parts, one per GRPO group that used the cut."""
+    """The round's prompt parts, one per group that used the cut."""
 
     def __init__(self, model, affine: bool = True):
         self.model, self.affine = model, affine
@@ -195,10 +189,6 @@ class PrefixCut:
         for st in out:
             del self.states[st.group_id]
         return out
-
-    def held_bytes(self) -> int:
-        return sum(st.bytes() for st in self.states.values())
-
 
 
 # ---------------------------------------------------------------------------- OPD: a trajectory's turns as segments
