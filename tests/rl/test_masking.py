@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grad_compare import rel
 
 from tsrl_cli.config import LossConfig
 from tsrl_cli.core.advantages import ADVANTAGES
@@ -27,10 +28,6 @@ from tsrl_cli.policy import forward_logprobs, load_policy
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout
 from tsrl_cli.verify import random_rollouts
-
-
-def rel(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) / max(y.abs().max().item() for y in b)
 
 
 def grads_of(model, loss):

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from grad_compare import grads, rel
 
 from tsrl_cli.config import LossConfig
 from tsrl_cli.core import losses
@@ -14,16 +15,6 @@ from tsrl_cli.rl.arrivals import Arrival
 from tsrl_cli.rl.learner import Objective, StreamLearner, lazy_loss
 from tsrl_cli.rollouts import Rollout
 from tsrl_cli.verify import random_rollouts
-
-
-def rel(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) / max(y.abs().max().item() for y in b)
-
-
-def grads(model, loss):
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [torch.zeros_like(p) if g is None else g
-            for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params, strict=True)]
 
 
 @pytest.fixture(scope="module")

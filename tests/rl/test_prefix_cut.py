@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from grad_compare import grads, rel
 
 from tsrl_cli.config import LossConfig
 from tsrl_cli.policy import checkpoint_activations, score_tokens
@@ -16,16 +17,6 @@ from tsrl_cli.rl.prefix import PromptState
 from tsrl_cli.rollouts import Rollout
 
 V = 128
-
-
-def rel(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) / max(y.abs().max().item() for y in b)
-
-
-def grads(model, loss):
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [torch.zeros_like(p) if g is None else g
-            for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params, strict=True)]
 
 
 def shared_prompt_groups(groups=3, size=5, prompt=12, seed=0, odd_member=True, ref=None):
@@ -55,6 +46,25 @@ def shared_prompt_groups(groups=3, size=5, prompt=12, seed=0, odd_member=True, r
                 r.ref_logprobs = score_tokens(ref, ids)
             out.append(r)
     return out
+
+
+def stream_turns(sl, ro, burst=1):
+    """OPD turns round-robin over the trajectories, a learner step after every `burst`; the round's gradient."""
+    turns = [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]
+    for i, (r, k) in enumerate(turns):
+        sl.on_turn(r, k)
+        if i % burst == burst - 1:
+            sl.step()
+    sl.drain()
+    return sl.close_round()
+
+
+def opd_round(teacher, ref=None):
+    """shared_prompt_groups with the teacher's scores."""
+    ro = shared_prompt_groups(ref=ref)
+    for r in ro:
+        r.teacher_logprobs = score_tokens(teacher, r.input_ids)
+    return ro
 
 
 def run(model, rollouts, obj, *, order_seed=None, drain_each=True, cut=True, **kw):
@@ -169,9 +179,7 @@ def test_cut_stays_off_where_it_does_not_apply(tiny64, teacher64):
 @pytest.mark.parametrize("unit", ["turn", "trajectory", "sync"])
 def test_opd_cut_equals_the_lazy_batch(tiny64, teacher64, loss, unit):
     """OPD: the samples of one prompt share its prompt part; turns arrive scored, trajectories interleaved."""
-    ro = shared_prompt_groups(ref=teacher64)
-    for r in ro:
-        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    ro = opd_round(teacher64, ref=teacher64)
     obj = Objective("opd", LossConfig(**loss))
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
     sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=True,
@@ -179,13 +187,10 @@ def test_opd_cut_equals_the_lazy_batch(tiny64, teacher64, loss, unit):
     if unit == "sync":
         for r in ro:
             sl.on_opd_trajectory(r)
+        sl.drain()
+        g = sl.close_round()
     else:  # round-robin over trajectories, one scored turn at a time, a step after each
-        turns = [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]
-        for r, k in turns:
-            sl.on_turn(r, k)
-            sl.step()
-    sl.drain()
-    g = sl.close_round()
+        g = stream_turns(sl, ro)
     assert rel(g, ref) <= 1e-9
     assert sum(b.prompt for b in sl.batches) == sum(12 + g - 1 for g in range(3))  # one prompt part per group
     assert any(b.prefix is not None and b.target[0] == "unit" for b in sl.batches) == (
@@ -194,19 +199,13 @@ def test_opd_cut_equals_the_lazy_batch(tiny64, teacher64, loss, unit):
 
 def test_opd_unit_scale_weights_its_adjoint(tiny64, teacher64, monkeypatch):
     """The control of the OPD case: a unit's prompt adjoint taken with scale 1 instead of 1/n_i is caught."""
-    ro = shared_prompt_groups()
-    for r in ro:
-        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    ro = opd_round(teacher64)
     obj = Objective("opd", LossConfig(loss_agg="seq-mean-token-mean"))
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
     real = PromptState.adjoint
     monkeypatch.setattr(PromptState, "adjoint", lambda self, adv, unit=None: real(self, adv, lambda key: 1.0))
     sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=True, opd_unit="turn")
-    for r, k in [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]:
-        sl.on_turn(r, k)
-        sl.step()
-    sl.drain()
-    assert rel(sl.close_round(), ref) > 1e-3
+    assert rel(stream_turns(sl, ro), ref) > 1e-3
 
 
 @pytest.mark.parametrize("loss", [{}, {"loss_agg": "seq-mean-token-mean"}, {"kl_coef": 0.05, "loss_agg": "token-mean"}])
@@ -216,19 +215,11 @@ def test_opd_segments_equal_the_lazy_batch(tiny64, teacher64, loss, cut, burst):
     """OPD unit `segment` (rl/prefix.py Chain): each turn forwarded once over its segment, backwarded for its own loss,
     its dependence on earlier segments replayed at the trajectory's end; with and without the group's prompt part,
     one or two queued turns per row."""
-    ro = shared_prompt_groups(ref=teacher64)
-    for r in ro:
-        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    ro = opd_round(teacher64, ref=teacher64)
     obj = Objective("opd", LossConfig(**loss))
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
     sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=cut, opd_unit="segment")
-    turns = [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]
-    for i, (r, k) in enumerate(turns):
-        sl.on_turn(r, k)
-        if i % burst == burst - 1:
-            sl.step()
-    sl.drain()
-    assert rel(sl.close_round(), ref) <= 1e-9
+    assert rel(stream_turns(sl, ro, burst), ref) <= 1e-9
     real = sum(b.real_tokens for b in sl.batches)
     own = sum(max(j for j, m in enumerate(r.loss_mask) if m) + 1 for r in ro)
     rows = Counter(b.items[0].rollout.key for b in sl.batches)
@@ -243,15 +234,9 @@ def test_opd_segments_equal_the_lazy_batch(tiny64, teacher64, loss, cut, burst):
 def test_dropping_a_segments_replay_is_caught(tiny64, teacher64, monkeypatch):
     from tsrl_cli.rl.prefix import Chain
 
-    ro = shared_prompt_groups()
-    for r in ro:
-        r.teacher_logprobs = score_tokens(teacher64, r.input_ids)
+    ro = opd_round(teacher64)
     obj = Objective("opd", LossConfig())
     ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
     monkeypatch.setattr(Chain, "replay", lambda self, *a: [])
     sl = StreamLearner(tiny64, obj, Counter(r.group_id for r in ro), prefix_cut=False, opd_unit="segment")
-    for r, k in [(r, k) for k in range(3) for r in ro if k < len(r.turn_spans)]:
-        sl.on_turn(r, k)
-        sl.step()
-    sl.drain()
-    assert rel(sl.close_round(), ref) > 1e-3
+    assert rel(stream_turns(sl, ro), ref) > 1e-3
