@@ -128,6 +128,18 @@ def test_the_advantage_of_each_class_weights_its_adjoint(tiny64, monkeypatch):
     assert rel(g, ref) > 1e-3
 
 
+@pytest.mark.parametrize("granularity", ["trajectory", "group"])
+def test_cut_with_deferred_groups_and_group_granularity(tiny64, granularity):
+    """loss.max_open_groups 1: groups past the cap wait for their close and go to R whole-weighted; granularity group
+    holds every group's members until its close. Their prompt parts fold through R alone."""
+    ro = shared_prompt_groups(groups=4, seed=3)
+    obj = Objective("grpo", LossConfig(max_open_groups=1))
+    ref = grads(tiny64, lazy_loss(tiny64, ro, obj))
+    sl, g = run(tiny64, ro, obj, order_seed=2, max_items=1, granularity=granularity)
+    assert rel(g, ref) <= 1e-9 and sl.cut.positions > 0
+    assert granularity == "group" or sl.deferred  # the cap held a group back
+
+
 def test_cut_with_masked_members_and_a_void_group(tiny64):
     """Masked members (an infrastructure failure) are out of the loss; a group left with one valid member contributes
     nothing (its advantages are 0), its prompt adjoint included."""
