@@ -163,7 +163,7 @@ class StreamLearner:
         self.loss: float | None = None
         self.batches: list[MicroBatch] = []  # every micro-batch of the round, in order (all ranks')
         self.replayed = 0  # OPD unit segment: positions backwarded again at their trajectory's end (no forward)
-        # the shared-prompt cut (rl/prefix.py): GRPO on one process, rows read by no reference model or TIS weights
+        # the shared-prompt cut (rl/prefix.py): one process, rows read by no reference model or TIS weights
         self.cut = None
         if prefix_cut and cut_applies(model, obj, world, ref_model, token_weights):
             self.cut = PrefixCut(model, affine=self.round.form == "affine")
@@ -245,15 +245,19 @@ class StreamLearner:
             self.buffers.deferred = deferred  # has_work never decides a deferral
 
     def _closable(self) -> bool:
-        if self.cut is None and not self.chains:
-            return False
+        return bool(self._ready_chains()) or (self.cut is not None
+                                              and bool(self.cut.closable(self.rules.group_closed, self._busy_groups())))
+
+    def _ready_chains(self, every: bool = False) -> list:
+        """OPD segment chains whose trajectory ended (every: all of them) with nothing of it queued."""
+        if not self.chains:
+            return []
         queued = {a.rollout.key for a in self.queue}
-        if any(k not in queued and self.rules.ended(k) for k in (self.chains or {})):
-            return True
-        if self.cut is None:
-            return False
-        busy = {a.rollout.group_id for a in self.queue} | {ch.group_id for ch in (self.chains or {}).values()}
-        return any(self.rules.group_closed(g) and g not in busy for g in self.cut.states)
+        return [k for k in self.chains if k not in queued and (every or self.rules.ended(k))]
+
+    def _busy_groups(self) -> set:
+        """Groups whose prompt part may still get adjoints: an arrival queued, or a segment chain open."""
+        return {a.rollout.group_id for a in self.queue} | {ch.group_id for ch in (self.chains or {}).values()}
 
     def step(self) -> list[MicroBatch]:
         """Backward the next micro-batch of each rank (every rank calls this together); returns them all."""
@@ -315,10 +319,7 @@ class StreamLearner:
     def _close_chains(self, every: bool = False) -> None:
         """Replay each ended trajectory's segments (nothing of it queued): their gradient into R, the prompt part's
         adjoint into its group's ledger."""
-        if not self.chains:
-            return
-        queued = {a.rollout.key for a in self.queue}
-        for key in [k for k in self.chains if k not in queued and (every or self.rules.ended(k))]:
+        for key in self._ready_chains(every):
             ch = self.chains.pop(key)
             runs = ch.replay(self.rules.unit_scale(key), self.grads.backward_outputs,
                              lambda g: self._apply(("round", 1.0), g))
@@ -331,8 +332,7 @@ class StreamLearner:
         self._close_chains(every)
         if self.cut is None:
             return
-        busy = {a.rollout.group_id for a in self.queue} | {ch.group_id for ch in (self.chains or {}).values()}
-        for st in self.cut.ready(None if every else self.rules.group_closed, busy):
+        for st in self.cut.ready(None if every else self.rules.group_closed, self._busy_groups()):
             adj = st.adjoint(lambda r, gid=st.group_id: self.round.advantage(gid, r), self.rules.unit_scale)
             self._apply(("round", 1.0), self.grads.backward_outputs(st.outputs, adj)[0])
             self.backwards += 1

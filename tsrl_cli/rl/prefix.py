@@ -181,14 +181,14 @@ class PrefixCut:
         self.positions += st.cut
         return st, True
 
-    def ready(self, closed, queued_groups: set) -> list[PromptState]:
-        """Prompt states whose group is closed (closed(gid); None: every group, the round's close) and has nothing
-        queued: their backward can run (removed here)."""
-        out = [st for gid, st in self.states.items()
-               if (closed is None or closed(gid)) and gid not in queued_groups]
-        for st in out:
-            del self.states[st.group_id]
-        return out
+    def closable(self, closed, busy_groups: set) -> list:
+        """Groups whose prompt part can be backpropagated: closed (closed(gid); None: every group, the round's
+        close) and not busy (nothing of it queued, no segment chain of it open)."""
+        return [gid for gid in self.states if (closed is None or closed(gid)) and gid not in busy_groups]
+
+    def ready(self, closed, busy_groups: set) -> list[PromptState]:
+        """The closable prompt states, removed here: their backward runs now."""
+        return [self.states.pop(gid) for gid in self.closable(closed, busy_groups)]
 
 
 # ---------------------------------------------------------------------------- OPD: a trajectory's turns as segments
